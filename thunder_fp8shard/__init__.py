@@ -1,0 +1,7 @@
+"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP ZeRO-3 and all-gather them in backward."""
+
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import Decision, ShardPlan
+from thunder_fp8shard.transform import ShardIntermediates
+
+__all__ = ["Decision", "ShardIntermediates", "ShardOptions", "ShardPlan"]

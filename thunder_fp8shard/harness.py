@@ -1,0 +1,61 @@
+"""Runs a function on N real gloo processes on this machine and collects what each rank returns.
+
+Used by the demo, the tests and the notebooks; it is not part of the pass.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own gloo process.
+
+    ``fn`` must be importable (module level) and return picklable data. An exception on any rank is re-raised here
+    with that rank's traceback.
+    """
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors = []
+    for _ in procs:
+        rank, ok, value = results.get()
+        (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
+    for p in procs:
+        p.join(timeout_s)
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [out[r] for r in range(world_size)]
+
+
+def _rank_main(fn, rank, world_size, port, results, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report every failure to the parent instead of hanging it
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

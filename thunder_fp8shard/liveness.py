@@ -1,0 +1,264 @@
+"""Liveness and memory model of the joint forward+backward program (pure functions over Thunder traces).
+
+The joint program is the forward trace's bound symbols followed by the backward trace's, one ``Step`` each.
+``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
+into storages (connected components of view edges) and gives each one interval of steps; ``timeline`` sums the
+live bytes per step; ``with_sharding`` models what sharding a saved tensor does to the lives, so a planner can
+compare choices before any trace is rewritten. Nothing here mutates a trace.
+
+Model (what counts, and for how long):
+
+- Storages are produced by bound symbols of either trace (a bound symbol with subsymbols is one op). A
+  ``FutureTensorProxy`` counts by its buffer, and ``torch_wait_prim_impl`` returns a view of that buffer.
+- Trace inputs: the forward's tensor arguments (parameters and inputs) are live from step 0 to the end of the
+  forward at least (the caller holds them); the backward's own inputs (the cotangents) from the first backward
+  step. Unpack bound symbols allocate nothing. The backward unpacks ``C0`` under the forward names, so those are
+  the forward storages, and the unpack counts as a use of them.
+- A storage is live from the step that allocates it to its last real use, inclusive. ``del``,
+  ``clear_mutable_collection`` and return do not count as uses, except that the forward's saved tensors live
+  at least into the backward, the forward's ``output``/``flat_output`` live to the end of the forward, and the
+  backward's returned gradients live to the end of the backward.
+- Bytes are ``numel * dtype.bytes`` unless ``nbytes_of`` says otherwise; non-tensor proxies are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import networkx as nx
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
+
+# Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
+VIEW_OPS = frozenset(
+    {
+        "reshape", "view", "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous",
+        "transpose", "permute", "movedim", "t", "expand", "expand_as", "broadcast_in_dim",
+        "__getitem__", "getitem", "torch_slice_prim_impl", "narrow", "select", "diagonal",
+        "split", "chunk", "tensor_split", "unbind", "shallow_copy", "bitcast", "torch_prims_reshape_impl",
+        "torch_wait_prim_impl",
+    }
+)  # fmt: skip
+_UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith("UNPACK"))
+_BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN})
+
+
+@dataclass(frozen=True)
+class Step:
+    """One position on the joint timeline."""
+
+    index: int  # 0..n-1 over forward bound symbols then backward bound symbols
+    phase: str  # "forward" or "backward"
+    label: str  # short text, e.g. "t387 = torch.nn.functional.linear" or "del t12"
+
+
+@dataclass(frozen=True)
+class Life:
+    """One storage: a group of aliasing proxies, counted once, live on the steps [start, end]."""
+
+    name: str  # representative proxy name (the first-produced one of the group)
+    members: tuple[str, ...]  # all proxy names aliasing this storage, in order of appearance
+    nbytes: int
+    start: int  # step where it is allocated (0 for forward inputs)
+    end: int  # step of its last use, inclusive
+
+
+@dataclass(frozen=True)
+class ShardedLife:
+    """What the sharding pass does to one saved storage (the indices are steps of the unmodified program)."""
+
+    name: str  # Life name of the saved tensor being sharded
+    shard_nbytes: int  # bytes of the 1/N shard kept between forward and backward
+    shard_at: int  # step after which the full tensor is replaced by its shard (its last forward use)
+    gather_at: int  # step where the all-gather is issued in backward (a full-size buffer is allocated here)
+    first_use: int  # first backward consumer (the wait is just before it)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Bytes live at each step: after the step's outputs are allocated, before anything is freed."""
+
+    steps: tuple[Step, ...]
+    live_bytes: tuple[int, ...]
+    backward_start: int  # index of the first backward step (len(steps) when there is no backward)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes, default=0)
+
+    @property
+    def peak_step(self) -> Step:
+        """The first step where the peak is reached."""
+        return self.steps[self.live_bytes.index(self.peak_bytes)]
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, (TensorProxy, FutureTensorProxy))
+
+
+def _tensors(xs: Iterable) -> list[Proxy]:
+    return [x for x in xs if _is_tensor(x)]
+
+
+def _is_bookkeeping(bsym: BoundSymbol) -> bool:
+    """``del``, return and ``clear_mutable_collection`` hold no tensor alive by themselves."""
+    return bsym.sym.id in _BOOKKEEPING or bsym.sym.name == "clear_mutable_collection"
+
+
+def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, BoundSymbol]]:
+    bw = bw_trace.bound_symbols if bw_trace is not None else []
+    return [("forward", b) for b in fw_trace.bound_symbols] + [("backward", b) for b in bw]
+
+
+def _label(bsym: BoundSymbol) -> str:
+    if bsym.sym.id == PrimIDs.RETURN:
+        return "return"
+    lines = bsym.python(indent=0)
+    if not lines or lines[0].startswith("#"):  # unpack_trivial prints only a comment
+        outs = ", ".join(p.name for p in bsym.flat_proxy_outs)
+        return f"{outs} = {bsym.sym.name}"
+    line = lines[0].split("  #")[0]
+    return line[: line.index("(")] if "(" in line else line[:80]
+
+
+def program_steps(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> tuple[Step, ...]:
+    """One ``Step`` per bound symbol: the forward's, then the backward's."""
+    return tuple(Step(i, phase, _label(b)) for i, (phase, b) in enumerate(_joint(fw_trace, bw_trace)))
+
+
+def _forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
+    """(output and flat_output tensors, saved-for-backward tensors) of the forward's return."""
+    ret = fw_trace.bound_symbols[-1]
+    if ret.sym.id != PrimIDs.RETURN:
+        return [], []
+    match ret.args:
+        case (dict() as out, (saved, _)):  # the augmented forward of thunder/transforms/autodiff.py
+            outputs = tree_flatten((out.get("output"), out.get("flat_output")))[0]
+            return _tensors(outputs), _tensors(saved)
+        case _:
+            return _tensors(ret.flat_proxy_args), []
+
+
+def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
+    """The joint program as a DAG of bound symbols and tensors (edges producer -> tensor -> consumer).
+
+    Bound-symbol nodes are the step indices, with attributes ``index``, ``phase`` and ``bsym``. Tensor nodes are
+    proxy names, with attributes ``proxy``, ``nbytes`` (default size), ``start`` (step allocating it) and
+    ``held_until`` (the step it lives to at least even without uses: end of forward for forward inputs and
+    outputs, the first backward step for saved tensors, the last step for gradients; else ``start``). Unpacks
+    produce nothing: the backward's unpack of the saved tensors is an edge from the forward tensor (same name).
+    Graph attribute ``backward_start``: index of the first backward step.
+    """
+    joint = _joint(fw_trace, bw_trace)
+    bw_start = len(fw_trace.bound_symbols)
+    g = nx.DiGraph(backward_start=bw_start)
+
+    def add_tensor(p: Proxy, start: int) -> None:
+        if p.name not in g:
+            g.add_node(p.name, proxy=p, nbytes=int(p.numel * p.dtype.bytes), start=start, held_until=start)
+
+    for p in _tensors(tree_flatten((fw_trace.args, fw_trace.kwargs))[0]):
+        add_tensor(p, 0)
+        g.nodes[p.name]["held_until"] = bw_start - 1
+    for i, (phase, bsym) in enumerate(joint):
+        g.add_node(i, index=i, phase=phase, bsym=bsym)
+        for p in _tensors(bsym.flat_proxy_args):
+            add_tensor(p, 0 if phase == "forward" else bw_start)  # an input nothing produced
+            g.add_edge(p.name, i)
+        for p in _tensors(bsym.flat_proxy_outs):
+            if bsym.sym.id in _UNPACKS:  # a trace input under its name: a use if known, else an input
+                if p.name in g:
+                    g.add_edge(p.name, i)
+                else:
+                    add_tensor(p, 0 if phase == "forward" else bw_start)
+            elif p.name not in g:  # a name already known is passed through, not allocated
+                add_tensor(p, i)
+                g.add_edge(i, p.name)
+
+    outputs, saved = _forward_return(fw_trace)
+    for p in outputs:
+        g.nodes[p.name]["held_until"] = max(g.nodes[p.name]["held_until"], bw_start - 1)
+    for p in saved:
+        g.nodes[p.name]["held_until"] = max(g.nodes[p.name]["held_until"], min(bw_start, len(joint) - 1))
+    if bw_trace is not None and bw_trace.bound_symbols and bw_trace.bound_symbols[-1].sym.id == PrimIDs.RETURN:
+        for p in _tensors(bw_trace.bound_symbols[-1].flat_proxy_args):
+            g.nodes[p.name]["held_until"] = len(joint) - 1
+    return g
+
+
+def uses(graph: nx.DiGraph, names: Iterable[str]) -> tuple[int, ...]:
+    """Sorted steps that really use any of ``names`` (``del``, clears and returns excluded; unpacks included)."""
+    steps = {c for n in names for c in graph.successors(n) if not _is_bookkeeping(graph.nodes[c]["bsym"])}
+    return tuple(sorted(steps))
+
+
+def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
+    """Tensor names grouped by storage: connected components of the (view input, view output) edges."""
+    aliases = nx.Graph()
+    aliases.add_nodes_from(n for n in graph if isinstance(n, str))
+    for i in (n for n in graph if isinstance(n, int)):
+        bsym = graph.nodes[i]["bsym"]
+        if bsym.sym.name in VIEW_OPS and (ins := _tensors(bsym.flat_proxy_args)):
+            aliases.add_edges_from((ins[0].name, out) for out in graph.successors(i))
+    return list(nx.connected_components(aliases))
+
+
+def storage_lives(
+    fw_trace: TraceCtx, bw_trace: TraceCtx | None, *, nbytes_of: Callable[[Proxy], int] | None = None
+) -> dict[str, Life]:
+    """One ``Life`` per storage of the joint program, keyed by its name, in order of allocation.
+
+    ``nbytes_of(proxy)`` overrides a storage's size (it is asked about the representative proxy), e.g. for
+    TransformerEngine tensors whose proxies print bf16 but hold 1 byte per element.
+    """
+    g = joint_graph(fw_trace, bw_trace)
+    order = {n: k for k, n in enumerate(g)}  # insertion order: order of first appearance
+    lives = []
+    for group in alias_groups(g):
+        members = sorted(group, key=lambda n: (g.nodes[n]["start"], order[n]))
+        rep = g.nodes[members[0]]
+        end = max(max(uses(g, [n]), default=0) for n in members)
+        end = max(end, *(g.nodes[n]["held_until"] for n in members))
+        nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
+        lives.append(Life(members[0], tuple(members), nbytes, rep["start"], end))
+    lives.sort(key=lambda life: (life.start, order[life.name]))
+    return {life.name: life for life in lives}
+
+
+def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
+    """Bytes live at each step, summed over the lives (each live on [start, end], inclusive)."""
+    delta = [0] * (len(steps) + 1)
+    for life in lives.values():
+        delta[life.start] += life.nbytes
+        delta[life.end + 1] -= life.nbytes
+    live, total = [], 0
+    for d in delta[:-1]:
+        total += d
+        live.append(total)
+    backward_start = next((s.index for s in steps if s.phase == "backward"), len(steps))
+    return Timeline(tuple(steps), tuple(live), backward_start)
+
+
+def with_sharding(
+    lives: Mapping[str, Life], steps: tuple[Step, ...], sharded: Mapping[str, ShardedLife]
+) -> dict[str, Life]:
+    """The lives after sharding: each sharded storage becomes three lives.
+
+    The full storage keeps its name and lives [start, shard_at]; ``"<name>.shard"`` (``shard_nbytes``) lives
+    [shard_at, first_use]; ``"<name>.gathered"`` (full size, the original members, whose backward uses it
+    serves) lives [gather_at, original end]. Raises ``ValueError`` for an order that the pass cannot produce.
+    """
+    out = dict(lives)
+    for name, s in sharded.items():
+        life = lives[name]
+        in_fw, in_bw = steps[s.shard_at].phase == "forward", steps[s.gather_at].phase == "backward"
+        if not (in_fw and in_bw and life.start <= s.shard_at < s.gather_at <= s.first_use <= life.end):
+            raise ValueError(f"cannot shard {name} (lives [{life.start}, {life.end}]) as {s}")
+        out[name] = replace(life, end=s.shard_at)
+        out[f"{name}.shard"] = Life(f"{name}.shard", (), s.shard_nbytes, s.shard_at, s.first_use)
+        out[f"{name}.gathered"] = Life(f"{name}.gathered", life.members, life.nbytes, s.gather_at, life.end)
+    return out

@@ -1,0 +1,108 @@
+"""The plan: plain data saying, for every candidate, whether it is sharded and why, and what that is predicted to save.
+
+``str(plan)`` renders a table; ``plan.plot()`` draws the predicted memory timelines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from thunder_fp8shard.liveness import Timeline
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One candidate: a saved-for-backward tensor of the forward trace. Byte counts are per rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "float8", "te_float8" or "tensor" (see thunder_fp8shard.candidates)
+    nbytes: int  # real payload bytes (1 per element for TransformerEngine FP8 tensors, whatever the proxy prints)
+    replicated: bool
+    sharded: bool
+    reason: str
+    shard_nbytes: int = 0  # bytes kept per rank when sharded (ceil(nbytes / world_size))
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.nbytes - self.shard_nbytes if self.sharded else 0
+
+
+@dataclass
+class ShardPlan:
+    """What the pass did to one compiled cache entry (forward trace + backward trace)."""
+
+    world_size: int
+    method: str
+    policy: str
+    prefetch: int
+    decisions: list[Decision]
+    saved_bytes_before: int  # per rank, each storage once, as saved_tensors_hooks sees them
+    saved_bytes_after: int
+    peak_bytes_before: int | None = None  # predicted per-rank peak of the joint forward+backward program
+    peak_bytes_after: int | None = None
+    timeline_before: Timeline | None = None
+    timeline_after: Timeline | None = None
+    gather_steps: tuple[int, ...] = ()  # timeline steps where the backward all-gathers are issued
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sharded(self) -> list[Decision]:
+        return [d for d in self.decisions if d.sharded]
+
+    def decision(self, name: str) -> Decision:
+        for d in self.decisions:
+            if d.name == name:
+                return d
+        raise KeyError(f"no candidate named {name!r} in this plan")
+
+    def __str__(self) -> str:
+        header = ("tensor", "shape", "dtype", "kind", "bytes", "replicated", "sharded", "reason")
+        rows = [
+            (d.name, "x".join(map(str, d.shape)) or "()", d.dtype, d.kind, f"{d.nbytes:,}",
+             "yes" if d.replicated else "no", f"1/{self.world_size}" if d.sharded else "no", d.reason)
+            for d in self.decisions
+        ]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
+        fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
+        lines = [
+            f"ShardIntermediates plan: world size {self.world_size}, method {self.method}, policy {self.policy}, "
+            f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded",
+            fmt(header),
+            *(fmt(r) for r in rows),
+            f"saved for backward per rank: {_fmt_bytes(self.saved_bytes_before)} -> {_fmt_bytes(self.saved_bytes_after)}",
+        ]
+        if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
+            lines.append(
+                f"predicted peak per rank:     {_fmt_bytes(self.peak_bytes_before)} -> {_fmt_bytes(self.peak_bytes_after)}"
+                + _peak_where(self.timeline_before, self.timeline_after)
+            )
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def plot(self, path=None):
+        """The predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure)."""
+        from thunder_fp8shard.plot import plot_timelines
+
+        if self.timeline_before is None:
+            raise ValueError("this plan has no memory timeline (forward-only compile or nothing to model)")
+        return plot_timelines(
+            self.timeline_before, self.timeline_after, gathers=self.gather_steps,
+            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.world_size}", path=path,
+        )
+
+
+def _peak_where(before, after) -> str:
+    if before is None or after is None:
+        return ""
+    return f" (before at {before.peak_step.phase} step {before.peak_step.index}, after at {after.peak_step.phase} step {after.peak_step.index})"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit} ({n:,} B)"
+    return f"{n:,} B"

@@ -1,0 +1,147 @@
+"""The mechanical rewrite: forward keeps 1/N shards in the saved list, backward all-gathers them back.
+
+Both functions return new traces (the inputs are not modified) with dels regenerated and a provenance line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.core.transforms import (
+    _update_backward_with_new_saved_for_backward,
+    _update_forward_with_new_saved_for_backward,
+)
+from thunder.executors.passes import del_last_used
+from thunder.executors.pythonex import clear_mutable_collection
+
+from thunder_fp8shard import ops
+from thunder_fp8shard.saved import backward_saved, forward_saved
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """A saved tensor to shard: its proxy and its real payload size."""
+
+    proxy: TensorProxy
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
+class ShardedSaved:
+    """What the forward hands to the backward for one sharded tensor."""
+
+    original: TensorProxy  # the proxy the backward consumes; the wait re-creates it
+    shard: TensorProxy  # what is saved instead (flat uint8)
+    restorer: AnyProxy  # saved alongside, in the non-tensor list
+
+
+@dataclass(frozen=True)
+class ForwardRewrite:
+    trace: TraceCtx
+    sharded: tuple[ShardedSaved, ...]
+    saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
+
+
+def rewrite_forward(
+    fw: TraceCtx, requests: list[ShardRequest], *, group, world_size: int, method: str, verify: bool, provenance: str
+) -> ForwardRewrite:
+    """Inserts ``fp8shard_shard`` after each requested tensor's last forward use and saves the shard instead."""
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    last_use = _last_forward_use(body, {r.proxy.name for r in requests})
+    new = from_trace(fw)
+    inserted_after: dict[int, list[BoundSymbol]] = {}
+    sharded: list[ShardedSaved] = []
+    with tracectx(new):
+        for r in requests:
+            scope: list[BoundSymbol] = []
+            new.push_scope(scope)
+            shard, restorer = ops.shard(r.proxy, group, world_size, r.payload_bytes, method, verify, r.proxy.name)
+            new.pop_scope()
+            inserted_after.setdefault(last_use[r.proxy.name], []).extend(scope)
+            sharded.append(ShardedSaved(r.proxy, shard, restorer))
+    new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
+
+    by_name = {s.original.name: s for s in sharded}
+    saved_tensors, saved_other = forward_saved(fw)
+    saved = (
+        *(by_name[p.name].shard if p.name in by_name else p for p in saved_tensors),
+        *saved_other,
+        *(s.restorer for s in sharded),
+    )
+    _update_forward_with_new_saved_for_backward(new, saved)
+    out = del_last_used(new)
+    out.set_provenance(TraceProvenance(provenance))
+    return ForwardRewrite(out, tuple(sharded), saved)
+
+
+def rewrite_backward(
+    bw: TraceCtx, handoff: ForwardRewrite, *, group, prefetch: int, provenance: str
+) -> tuple[TraceCtx, list[int]]:
+    """Restores each sharded tensor before its first backward consumer.
+
+    The wait (``fp8shard_gather_wait``) goes just before the first consumer; the all-gather is issued ``prefetch``
+    gathers earlier: right before the consumer of the ``prefetch``-th previous gathered tensor, or at the start of the
+    backward. Returns the new trace and, for each gather in issue order, its index among the new bound symbols.
+    """
+    saved_tensors, _ = backward_saved(bw)
+    if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)):
+        raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
+    body = [
+        b for b in bw.bound_symbols
+        if b.sym.id not in (PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT,
+                            PrimIDs.UNPACK_KEY)
+        and b.sym is not clear_mutable_collection
+    ]
+    first_use = _first_use(body, {s.original.name for s in handoff.sharded})
+    order = sorted((s for s in handoff.sharded if s.original.name in first_use), key=lambda s: first_use[s.original.name])
+    new = from_trace(bw)
+    before: dict[int, list[BoundSymbol]] = {}
+    with tracectx(new):
+        for j, s in enumerate(order):
+            scope: list[BoundSymbol] = []
+            new.push_scope(scope)
+            handle = ops.gather_start(s.shard, group)
+            new.pop_scope()
+            issue_at = first_use[order[j - prefetch].original.name] if j >= prefetch else 0
+            before.setdefault(issue_at, []).extend(scope)
+            wait = ops.gather_wait.bind(handle, s.restorer, output=s.original)
+            before.setdefault(first_use[s.original.name], []).append(wait)
+    new.bound_symbols = [b for i, b in enumerate(body) for b in (*before.get(i, ()), b)]
+    _update_backward_with_new_saved_for_backward(new, handoff.saved)
+    out = del_last_used(new, clear_mutable_collections=True)
+    out.set_provenance(TraceProvenance(provenance))
+    gathers = [i for i, b in enumerate(out.bound_symbols) if b.sym is ops.gather_start]
+    return out, gathers
+
+
+def _last_forward_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:
+    """Index of the last bound symbol (the return excluded) that reads or produces each name."""
+    last: dict[str, int] = {}
+    for i, b in enumerate(body):
+        if b.sym.id == PrimIDs.RETURN:
+            continue
+        for p in (*_proxies(b.flat_args), *_proxies(b.flat_outs)):
+            if p.name in names:
+                last[p.name] = i
+    return last
+
+
+def _first_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for i, b in enumerate(body):
+        for p in _proxies(b.flat_args):
+            if p.name in names and p.name not in first:
+                first[p.name] = i
+    return first
+
+
+def _proxies(xs):
+    from thunder.core.proxies import Proxy
+
+    flat, _ = tree_flatten(xs)
+    return [x for x in flat if isinstance(x, Proxy)]

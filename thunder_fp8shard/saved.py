@@ -1,0 +1,38 @@
+"""Reading the saved-for-backward contract between a forward trace and its backward trace.
+
+The forward returns ``(outputs, (saved_tensors, saved_other))``; the backward takes ``(saved_for_backward,
+cotangents)`` with ``saved_for_backward == [saved_tensors, saved_other]``, positionally (see Thunder's
+``thunder/transforms/autodiff.py``).
+"""
+
+from __future__ import annotations
+
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx
+
+
+def forward_saved(fw: TraceCtx) -> tuple[list, list]:
+    """The forward's saved tensors and saved other values, in order."""
+    ret = fw.bound_symbols[-1]
+    assert ret.sym.id == PrimIDs.RETURN, "the forward trace must end with its return"
+    _, (saved_tensors, saved_other) = ret.args
+    return list(saved_tensors), list(saved_other)
+
+
+def backward_saved(bw: TraceCtx) -> tuple[list, list]:
+    """The backward's saved tensors and saved other values (read from its arguments, never from the unpacks)."""
+    saved_tensors, saved_other = bw.args[0]
+    return list(saved_tensors), list(saved_other)
+
+
+def model_io_names(fw: TraceCtx) -> set[str]:
+    """Names of the forward's inputs and outputs: they are kept alive by the caller, sharding them frees nothing."""
+    outputs, _ = fw.bound_symbols[-1].args
+    flat, _ = tree_flatten((fw.args, fw.kwargs, outputs))
+    return {p.name for p in flat if isinstance(p, Proxy)}
+
+
+def tensor_nbytes(p: TensorProxy) -> int:
+    return int(p.numel * p.dtype.bytes)

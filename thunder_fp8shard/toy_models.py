@@ -1,0 +1,57 @@
+"""Small models whose saved-for-backward lists hold FP8 tensors, for the demo, the tests and the notebooks.
+
+Thunder 0.2.6 saves the float8 copies of a fake-FP8 linear only when the dequantize + matmul is recomputed in
+backward, so every layer runs under ``torch.utils.checkpoint``. The float8 copies are made without gradient and
+the gradient takes a straight-through path (``w + (dequant(wq) - w_nograd)``): a gradient that flowed through
+``.to(float8)`` would get a float8 cotangent that underflows to zero, and an exactness test would prove nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _dequantized_linear(x, xq, x_scale, x_plain, w, wq, w_scale, w_plain, b):
+    # Values: dequant(xq) @ dequant(wq).T + b. Gradients: straight through to x and w (x - x_plain is exactly 0).
+    x_eff = x + (xq.to(x.dtype) * x_scale - x_plain)
+    w_eff = w + (wq.to(w.dtype) * w_scale - w_plain)
+    return F.linear(x_eff, w_eff, b)
+
+
+def fake_fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on float8_e4m3fn copies of ``x`` and ``w`` with per-tensor scales, recomputed in backward."""
+    with torch.no_grad():
+        x_scale = x.abs().amax().clamp(min=1e-12) / FP8_MAX  # per-rank: derived from the rank's input
+        w_scale = w.abs().amax().clamp(min=1e-12) / FP8_MAX  # replicated: derived from the gathered weight
+        xq = (x / x_scale).to(torch.float8_e4m3fn)
+        wq = (w / w_scale).to(torch.float8_e4m3fn)
+        x_plain = x * 1.0
+        w_plain = w * 1.0
+    return checkpoint(_dequantized_linear, x, xq, x_scale, x_plain, w, wq, w_scale, w_plain, b, use_reentrant=False)
+
+
+class FakeFP8Linear(nn.Linear):
+    """``nn.Linear`` computing with float8_e4m3fn copies of its input and weight (per-tensor scales)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_fp8_linear(x, self.weight, self.bias)
+
+
+class FakeFP8MLP(nn.Module):
+    """``FakeFP8Linear`` layers with GELU between them; widths are free, so numels need not divide the world size."""
+
+    def __init__(self, widths: tuple[int, ...] = (24, 64, 45, 7)):
+        super().__init__()
+        self.layers = nn.ModuleList(FakeFP8Linear(i, o) for i, o in zip(widths[:-1], widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = F.gelu(x)
+        return x
