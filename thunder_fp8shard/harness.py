@@ -6,6 +6,7 @@ Used by the demo, the tests and the notebooks; it is not part of the pass.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -31,7 +32,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
     errors = []
     for _ in procs:
         rank, ok, value = results.get()
-        (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
+        if ok:
+            out[rank] = pickle.loads(value)
+        else:
+            errors.append((rank, value))
     for p in procs:
         p.join(timeout_s)
     if errors:
@@ -47,7 +51,7 @@ def _rank_main(fn, rank, world_size, port, results, args):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        results.put((rank, True, pickle.dumps(value)))  # plain bytes: no shared-memory tensors to outlive us
     except BaseException:  # report every failure to the parent instead of hanging it
         results.put((rank, False, traceback.format_exc()))
     finally:

@@ -43,6 +43,8 @@ VIEW_OPS = frozenset(
         "torch_wait_prim_impl",
     }
 )  # fmt: skip
+# Ops returning their ``tokens=`` arguments unchanged (TransformerEngine's scale update)
+PASS_THROUGH_TOKENS = ("te_fp8_amax_and_scale_update",)
 _UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith("UNPACK"))
 _BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN})
 
@@ -204,6 +206,9 @@ def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
         bsym = graph.nodes[i]["bsym"]
         if bsym.sym.name in VIEW_OPS and (ins := _tensors(bsym.flat_proxy_args)):
             aliases.add_edges_from((ins[0].name, out) for out in graph.successors(i))
+        elif bsym.sym.name.startswith(PASS_THROUGH_TOKENS):  # output k is token k
+            tokens = _tensors(bsym.kwargs.get("tokens", ()))
+            aliases.add_edges_from((t.name, o.name) for t, o in zip(tokens, _tensors(bsym.flat_proxy_outs)))
     return list(nx.connected_components(aliases))
 
 

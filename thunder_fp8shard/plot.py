@@ -57,9 +57,9 @@ def plot_timelines(
         ax.plot(gathers, [curve.live_bytes[g] / scale for g in gathers], "^", color="tab:green", label="all-gather")
     ax.set_xlabel("step (forward, then backward bound symbols)")
     ax.set_ylabel(f"live memory ({unit})")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.25 * max(t.peak_bytes for t in timelines.values()) / scale or 1)  # room for the notes
     ax.set_title(title or "live memory of the joint program")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="lower center", ncols=3, fontsize=8)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, format="png", dpi=120)

@@ -1,43 +1,60 @@
-"""``ShardIntermediates``: the Thunder transform tying analysis, plan and rewrite together."""
+"""``ShardIntermediates``: the Thunder transform tying analysis, plan and rewrite together.
+
+Thunder calls the post-optimization hook on the forward trace, then on the backward trace, of each compiled cache
+entry. What to shard is decided on the joint program, so the forward hook returns a stand-in trace and the
+backward hook plans, rewrites both traces, and fills the stand-in in place (Thunder builds the forward callable
+from it only after both hooks ran). Hence ShardIntermediates must be the last transform with a post-optimization
+hook; this is checked.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import torch.distributed as dist
 from thunder.core.compile_data import get_compile_data
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fp8shard.candidates import find_candidates
+from thunder_fp8shard.candidates import Candidate, find_candidates, te_quantized_names
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planner import soundness
+from thunder_fp8shard.planner import choose, memory_model, soundness
 from thunder_fp8shard.replication import analyze_replication
-from thunder_fp8shard.rewrite import ForwardRewrite, ShardRequest, rewrite_backward, rewrite_forward
-from thunder_fp8shard.saved import forward_saved, model_io_names, tensor_nbytes
+from thunder_fp8shard.rewrite import ShardRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, tensor_nbytes
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _PendingForward:
+    """The forward of the cache entry being compiled, waiting for its backward."""
+
+    original: TraceCtx
+    stand_in: TraceCtx  # what Thunder holds; filled with the rewritten forward by the backward hook
 
 
 class ShardIntermediates(Transform):
     """Shards saved-for-backward tensors that are identical on every rank (FSDP ZeRO-3) and all-gathers them back
     just before their backward consumers. Gradients are bitwise identical to the run without the pass.
 
-    Use after Thunder's FSDP: ``thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
-    ShardIntermediates()])``. Options: see :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one
-    :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry, newest last.
+    Use after Thunder's FSDP, as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(
+    sharding_strategy=FSDPType.ZERO3), ShardIntermediates()])``. Options: see
+    :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan`
+    per compiled cache entry, newest last.
     """
 
     def __init__(self, **options):
-        known = {f.name for f in dataclasses.fields(ShardOptions)}
-        unknown = sorted(set(options) - known)
+        known = [f.name for f in dataclasses.fields(ShardOptions)]
+        unknown = sorted(set(options) - set(known))
         if unknown:
-            raise TypeError(f"ShardIntermediates: unknown option(s) {unknown}; known options are {sorted(known)}")
+            raise TypeError(f"ShardIntermediates: unknown option(s) {unknown}; the options are {known}")
         self.options = ShardOptions(**options)
         self.plans: list[ShardPlan] = []
-        self._handoff: ForwardRewrite | None = None  # forward -> backward of the cache entry being compiled
+        self._pending: _PendingForward | None = None
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
@@ -47,43 +64,86 @@ class ShardIntermediates(Transform):
         return computation_trace
 
     def _forward(self, fw: TraceCtx) -> TraceCtx:
-        self._handoff = None
+        self._pending = None
+        _check_last_post_optimization_transform(self)
         group, world_size = _fsdp_group()
-        o = self.options
-        candidates = find_candidates(fw, o.candidates)
-        decisions = soundness(candidates, analyze_replication(fw, group), model_io_names(fw), o, world_size)
-        saved_tensors, _ = forward_saved(fw)
-        sizes = {c.name: c.payload_bytes for c in candidates}
-        before = sum(sizes.get(p.name, tensor_nbytes(p)) for p in {p.name: p for p in saved_tensors}.values())
-        plan = ShardPlan(
-            world_size=world_size, method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=decisions,
-            saved_bytes_before=before, saved_bytes_after=before - sum(d.bytes_saved for d in decisions),
-        )
-        if not saved_tensors:
+        if not forward_saved(fw)[0]:
+            plan = ShardPlan(world_size, self.options.method, self.options.policy, self.options.prefetch, [], 0, 0)
             plan.notes.append("forward-only compile (no_grad or no input requires grad): nothing is saved for backward")
-        self.plans.append(plan)
-        log.info("%s", plan)
-        chosen = [c for c, d in zip(candidates, decisions) if d.sharded]
-        if not chosen:
+            self._record(plan)
             return fw
-        requests = [ShardRequest(c.proxy, c.payload_bytes) for c in chosen]
-        self._handoff = rewrite_forward(
-            fw, requests, group=group, world_size=world_size, method=o.method, verify=o.verify,
-            provenance=f"ShardIntermediates: saved {len(chosen)} tensors as 1/{world_size} shards ({o.method})",
-        )
-        return self._handoff.trace
+        stand_in = from_trace(fw)
+        stand_in.bound_symbols = list(fw.bound_symbols)
+        stand_in.set_provenance(TraceProvenance("ShardIntermediates: forward as compiled, until its backward is planned"))
+        self._pending = _PendingForward(fw, stand_in)
+        return stand_in
 
     def _backward(self, bw: TraceCtx) -> TraceCtx:
-        handoff, self._handoff = self._handoff, None
-        if handoff is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return bw
-        group, _ = _fsdp_group()
-        new, _ = rewrite_backward(
-            bw, handoff, group=group, prefetch=self.options.prefetch,
-            provenance=f"ShardIntermediates: all-gather {len(handoff.sharded)} sharded tensors "
-            f"(prefetch {self.options.prefetch})",
+        fw = pending.original
+        if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
+            raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
+        group, world_size = _fsdp_group()
+        plan, chosen = self._plan(fw, bw, group, world_size)
+        self._record(plan)
+        if not chosen:
+            return bw
+        o = self.options
+        new_fw = rewrite_forward(
+            fw, [ShardRequest(c.proxy, c.payload_bytes) for c in chosen], group=group, world_size=world_size,
+            method=o.method, verify=o.verify,
+            provenance=f"ShardIntermediates: {len(chosen)} saved tensors kept as 1/{world_size} shards ({o.method})",
         )
-        return new
+        pending.stand_in.bound_symbols = new_fw.trace.bound_symbols
+        pending.stand_in.set_provenance(new_fw.trace.get_provenance())
+        new_bw, _ = rewrite_backward(
+            bw, new_fw, group=group, prefetch=o.prefetch,
+            provenance=f"ShardIntermediates: {len(chosen)} sharded tensors all-gathered (prefetch {o.prefetch})",
+        )
+        return new_bw
+
+    def _plan(self, fw: TraceCtx, bw: TraceCtx, group, world_size: int) -> tuple[ShardPlan, list[Candidate]]:
+        o = self.options
+        candidates = find_candidates(fw, o.candidates)
+        te_names = te_quantized_names(fw)
+        nbytes_of = lambda p: int(p.numel) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
+        model = memory_model(fw, bw, candidates, nbytes_of)
+        saved_names = {p.name for p in forward_saved(fw)[0]}
+        sound = soundness(candidates, analyze_replication(fw, group), model_io_names(fw), o, world_size, model, saved_names)
+        decisions, notes = choose(sound, model, o)
+        sharded = [d for d in decisions if d.sharded]
+        before, gathers = model.evaluate([], o.prefetch)
+        after, gathers = model.evaluate(sharded, o.prefetch)
+        life_of = {m: life for life in model.lives.values() for m in life.members}
+        saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
+        saved_after = saved_before - sum(life_of[d.name].nbytes - d.shard_nbytes for d in sharded)
+        plan = ShardPlan(
+            world_size=world_size, method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=decisions,
+            saved_bytes_before=saved_before, saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes,
+            peak_bytes_after=after.peak_bytes, timeline_before=before, timeline_after=after, gather_steps=gathers,
+            notes=notes,
+        )
+        for note in notes:
+            if "cannot be met" in note:
+                warnings.warn(f"ShardIntermediates: {note}", stacklevel=2)
+        return plan, [c for c, d in zip(candidates, decisions) if d.sharded]
+
+    def _record(self, plan: ShardPlan) -> None:
+        self.plans.append(plan)
+        log.info("%s", plan)
+
+
+def _check_last_post_optimization_transform(me: ShardIntermediates) -> None:
+    transforms = list(getattr(get_compile_data(), "transforms", None) or [])
+    later = transforms[transforms.index(me) + 1 :] if me in transforms else []
+    hooked = [t for t in later if type(t).transform_trace_post_optimization is not Transform.transform_trace_post_optimization]
+    if hooked:
+        raise RuntimeError(
+            "ShardIntermediates must be the last transform with a post-optimization step (it completes the forward "
+            f"trace when it sees the backward); move it after {', '.join(type(t).__name__ for t in hooked)}"
+        )
 
 
 def _fsdp_group():

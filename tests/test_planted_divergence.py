@@ -1,0 +1,43 @@
+"""A replication analysis that wrongly accepts per-rank tensors: ``verify=True`` must catch it, and without it the
+gradients must visibly change (which shows the exactness checks can fail)."""
+
+import pytest
+
+from thunder_fp8shard.harness import run_on_ranks
+from thunder_fp8shard.reference_run import RunConfig, mismatches, train, train_with_and_without
+
+
+def _with_broken_analysis(job):
+    def run(rank, world_size, cfg):
+        import thunder_fp8shard.transform as transform
+        from thunder_fp8shard.replication import Replication
+
+        def everything_replicated(trace, group):
+            from thunder_fp8shard.replication import _flat_proxies
+
+            return Replication(frozenset(p.name for b in trace.bound_symbols for p in _flat_proxies(b.flat_outs)))
+
+        transform.analyze_replication = everything_replicated
+        return job(rank, world_size, cfg)
+
+    return run
+
+
+def broken_train(rank, world_size, cfg):
+    return _with_broken_analysis(train)(rank, world_size, cfg)
+
+
+def broken_train_with_and_without(rank, world_size, cfg):
+    return _with_broken_analysis(train_with_and_without)(rank, world_size, cfg)
+
+
+def test_verify_names_the_divergent_tensor():
+    cfg = RunConfig(options={"min_bytes": 0, "verify": True}, batch_sizes=(3,), no_grad_call=False)
+    with pytest.raises(RuntimeError, match=r"saved tensor 't\d+' is not identical on every rank"):
+        run_on_ranks(broken_train, 2, cfg)
+
+
+def test_sharding_a_per_rank_activation_breaks_gradients():
+    cfg = RunConfig(options={"min_bytes": 0}, batch_sizes=(3,), no_grad_call=False)
+    results = run_on_ranks(broken_train_with_and_without, 2, cfg)
+    assert any("weight" in m for base, shard in results for m in mismatches(base, shard))

@@ -1,0 +1,95 @@
+"""A small FSDP ZeRO-3 training run of a fake-FP8 model on one rank, with or without the pass.
+
+``run_on_ranks(train, world_size, RunConfig(...))`` (see :mod:`thunder_fp8shard.harness`) gives each rank's
+``RunResult``; comparing a run with the pass against one without is the exactness check used by the demo and the
+tests. Every rank draws different inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from thunder_fp8shard.measure import saved_bytes
+from thunder_fp8shard.plan import ShardPlan
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    widths: tuple[int, ...] = (24, 64, 45, 7)
+    batch_sizes: tuple[int, ...] = (3, 5, 3)  # one optimizer step each: cache miss, new shape, cache hit
+    use_pass: bool = True
+    options: dict = field(default_factory=dict)  # ShardIntermediates options
+    no_grad_call: bool = True  # a forward-only call between the first and second step
+    api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...)
+    sharding_strategy: str = "ZERO3"
+    seed: int = 0
+
+
+@dataclass
+class RunResult:
+    losses: list[torch.Tensor]
+    grads: list[dict[str, torch.Tensor]]  # per step: this rank's gradient shard of every parameter
+    saved_bytes: list[int]  # per step: measured with saved_tensors_hooks
+    no_grad_output: torch.Tensor | None
+    plans: list[ShardPlan]
+
+
+def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
+    import thunder
+    from thunder.distributed import FSDPType, fsdp
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    from thunder_fp8shard import ShardIntermediates
+    from thunder_fp8shard.toy_models import FakeFP8MLP
+
+    torch.manual_seed(cfg.seed)
+    model = FakeFP8MLP(cfg.widths)
+    shard = ShardIntermediates(**cfg.options)
+    extra = [shard] if cfg.use_pass else []
+    strategy = FSDPType[cfg.sharding_strategy]
+    if cfg.api == "transform":
+        fsdp_t = FSDPTransform(device=torch.device("cpu"), sharding_strategy=strategy)
+        jm = thunder.jit(model, transforms=[fsdp_t, *extra])
+    else:
+        jm = fsdp(thunder.jit(model, transforms=extra), device=torch.device("cpu"), sharding_strategy=strategy)
+    opt = torch.optim.SGD(jm.parameters(), lr=0.1)
+
+    result = RunResult([], [], [], None, [])
+    for step, batch in enumerate(cfg.batch_sizes):
+        gen = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
+        x = torch.randn(batch, cfg.widths[0], generator=gen, requires_grad=True)
+        target = torch.randn(batch, cfg.widths[-1], generator=gen)
+        with saved_bytes() as saved:
+            out = jm(x)
+        loss = torch.nn.functional.mse_loss(out, target)
+        opt.zero_grad()
+        loss.backward()
+        result.losses.append(loss.detach().clone())
+        result.grads.append({n: p.grad.detach().clone() for n, p in jm.named_parameters()})
+        result.grads[-1]["input"] = x.grad.detach().clone()
+        result.saved_bytes.append(saved.total)
+        opt.step()
+        if step == 0 and cfg.no_grad_call:
+            with torch.no_grad():
+                result.no_grad_output = jm(torch.randn(2, cfg.widths[0], generator=gen))
+    result.plans = list(shard.plans)
+    return result
+
+
+def train_with_and_without(rank: int, world_size: int, cfg: RunConfig) -> tuple[RunResult, RunResult]:
+    """The same run without the pass, then with it, in one process (one process start per rank instead of two)."""
+    from dataclasses import replace
+
+    return train(rank, world_size, replace(cfg, use_pass=False)), train(rank, world_size, replace(cfg, use_pass=True))
+
+
+def mismatches(baseline: RunResult, candidate: RunResult) -> list[str]:
+    """What differs bit-wise between two runs of one rank (losses, every gradient, the no-grad output)."""
+    bad = [f"loss of step {i}" for i, (a, b) in enumerate(zip(baseline.losses, candidate.losses)) if not torch.equal(a, b)]
+    for i, (ga, gb) in enumerate(zip(baseline.grads, candidate.grads)):
+        bad += [f"grad {n} of step {i}" for n in ga if not torch.equal(ga[n], gb[n])]
+    if baseline.no_grad_output is not None and not torch.equal(baseline.no_grad_output, candidate.no_grad_output):
+        bad.append("no-grad output")
+    return bad
