@@ -37,14 +37,14 @@ def plot_timelines(
     fig = Figure(figsize=(10, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for (name, t), color in zip(timelines.items(), ("tab:blue", "tab:orange")):
+    for k, ((name, t), color) in enumerate(zip(timelines.items(), ("tab:blue", "tab:orange"))):
         ax.plot(range(len(t.live_bytes)), [b / scale for b in t.live_bytes], drawstyle="steps-mid", color=color, label=name)
         peak = t.peak_step.index
         ax.plot([peak], [t.peak_bytes / scale], "v", color=color, markersize=9, label=f"peak {name}")
         ax.annotate(
             f"peak {t.peak_bytes / scale:.3g} {unit}\nstep {peak}: {t.peak_step.label}",
             (peak, t.peak_bytes / scale),
-            xytext=(8, 8),
+            xytext=(8, 8 - 26 * k),  # the second note below the first: peaks often share a step
             textcoords="offset points",
             fontsize=8,
             color=color,

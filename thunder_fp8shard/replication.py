@@ -122,11 +122,10 @@ def _nondeterminism(bsym: BoundSymbol) -> str | None:
 def _prim_id(bsym: BoundSymbol) -> PrimIDs | None:
     if bsym.sym.is_prim and isinstance(bsym.sym.id, PrimIDs):
         return bsym.sym.id
+    # executors implement prims under the prim's name ("uniform") or as "torch_<prim>_prim_impl"
     m = _EXECUTOR_PRIM.match(bsym.sym.name)
-    if m is not None:
-        key = m.group(1).upper()
-        return PrimIDs.__members__.get(key) or PrimIDs.__members__.get(key.removesuffix("_PRIM"))
-    return None
+    key = (m.group(1) if m else bsym.sym.name).upper()
+    return PrimIDs.__members__.get(key) or PrimIDs.__members__.get(key.removesuffix("_PRIM"))
 
 
 def _first_origin(proxies, origin) -> str | None:

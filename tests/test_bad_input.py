@@ -1,0 +1,89 @@
+"""Bad input: each case has a defined behaviour and a clear message."""
+
+import pytest
+import torch
+
+from thunder_fp8shard import ShardIntermediates
+from thunder_fp8shard.toy_models import FakeFP8MLP
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"candidate": "fp8"}, TypeError, r"unknown option\(s\) \['candidate'\]; the options are \['candidates'"),
+        ({"candidates": "bf16"}, ValueError, r"candidates must be one of \('fp8', 'all'\), got 'bf16'"),
+        ({"method": "all_reduce"}, ValueError, r"method must be one of \('slice', 'reduce_scatter'\)"),
+        ({"policy": "fastest"}, ValueError, r"policy must be one of \('all', 'peak', 'budget'\)"),
+        ({"policy": "budget"}, ValueError, r"policy='budget' needs budget_bytes"),
+        ({"budget_bytes": 10}, ValueError, r"budget_bytes is only used with policy='budget'"),
+        ({"min_bytes": -1}, ValueError, r"min_bytes must be a non-negative int, got -1"),
+        ({"prefetch": 1.5}, ValueError, r"prefetch must be a non-negative int, got 1.5"),
+        ({"verify": "yes"}, TypeError, r"verify must be a bool"),
+    ],
+)
+def test_invalid_options_fail_at_construction(options, error, message):
+    with pytest.raises(error, match=message):
+        ShardIntermediates(**options)
+
+
+def _jit(transforms):
+    import thunder
+
+    torch.manual_seed(0)
+    return thunder.jit(FakeFP8MLP(), transforms=transforms)
+
+
+def _fsdp(strategy="ZERO3"):
+    from thunder.distributed import FSDPType
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    return FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[strategy])
+
+
+def test_without_fsdp_it_says_how_to_use_it():
+    jm = _jit([ShardIntermediates()])
+    with pytest.raises(RuntimeError, match=r"ShardIntermediates needs Thunder FSDP: use thunder.jit\(model, transforms=\[FSDPTransform"):
+        jm(torch.randn(3, 24, requires_grad=True))
+
+
+def test_zero2_is_refused(single_rank_group):
+    jm = _jit([_fsdp("ZERO2"), ShardIntermediates()])
+    with pytest.raises(RuntimeError, match=r"ZeRO-3 behaviour, but FSDP runs with FSDPType.ZERO2; use sharding_strategy=FSDPType.ZERO3"):
+        jm(torch.randn(3, 24, requires_grad=True))
+
+
+def test_it_must_come_after_other_post_optimization_transforms(single_rank_group):
+    from thunder.core.transform_common import Transform
+
+    class Later(Transform):
+        def transform_trace_post_optimization(self, trace, **kwargs):
+            return trace
+
+    jm = _jit([_fsdp(), ShardIntermediates(), Later()])
+    with pytest.raises(RuntimeError, match="must be the last transform with a post-optimization step.*move it after Later"):
+        jm(torch.randn(3, 24, requires_grad=True))
+
+
+def test_world_size_one_shards_nothing_and_says_why(single_rank_group):
+    shard = ShardIntermediates(min_bytes=0)
+    jm, ref = _jit([_fsdp(), shard]), _jit([_fsdp()])
+    x = torch.randn(3, 24, requires_grad=True)
+    out, expected = jm(x), ref(x)
+    out.sum().backward()
+    assert torch.equal(out, expected)
+    plan = shard.plans[-1]
+    replicated = [d for d in plan.decisions if d.replicated]
+    assert len(replicated) == 3 and not plan.sharded
+    assert all(d.reason == "world size is 1: there is nothing to shard over" for d in replicated)
+    assert plan.saved_bytes_after == plan.saved_bytes_before
+
+
+def test_inference_only_records_an_empty_plan_and_changes_nothing(single_rank_group):
+    shard = ShardIntermediates()
+    jm, ref = _jit([_fsdp(), shard]), _jit([_fsdp()])
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert torch.equal(jm(x), ref(x))
+    assert len(shard.plans) == 1 and shard.plans[0].decisions == []
+    assert "forward-only compile" in shard.plans[0].notes[0]
+    assert "forward-only compile" in str(shard.plans[0])

@@ -1,0 +1,89 @@
+"""Planner decisions for each policy on a hand-made memory model with known answers."""
+
+import pytest
+
+from thunder_fp8shard.liveness import Life, Step
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import Decision, ShardPlan
+from thunder_fp8shard.planner import MemoryModel, Placement, choose
+
+# steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
+# W1 (40 B) is last used in forward at 1 and first in backward at 8: it is live at the peak.
+# W2 (40 B) is used at 3 and 6: it is dead by the peak, sharding it cannot lower it.
+# W3 (40 B) is used at 4 and at 5, the first backward step: nothing runs between its shard and its gather.
+STEPS = tuple(Step(i, "forward" if i < 5 else "backward", f"op{i}") for i in range(10))
+LIVES = {
+    "X": Life("X", ("X",), 100, 0, 9),
+    "W1": Life("W1", ("W1",), 40, 1, 8),
+    "W2": Life("W2", ("W2",), 40, 3, 6),
+    "W3": Life("W3", ("W3",), 40, 4, 5),
+    "G": Life("G", ("G",), 200, 7, 7),
+}
+PLACEMENTS = {"W1": Placement("W1", 1, 8), "W2": Placement("W2", 3, 6), "W3": Placement("W3", 4, 5)}
+MODEL = MemoryModel(LIVES, STEPS, PLACEMENTS, compute=(True,) * 10)
+SOUND = [
+    Decision(n, (40,), "float8_e4m3fn", "float8", 40, True, True, "identical on every rank; rank keeps 1/2", 20)
+    for n in ("W1", "W2", "W3")
+]
+
+
+def _decide(**options):
+    decisions, notes = choose(SOUND, MODEL, ShardOptions(prefetch=0, **options))
+    return {d.name: d for d in decisions}, notes
+
+
+def test_unmodified_peak_is_the_backward_spike():
+    before, _ = MODEL.evaluate([], prefetch=0)
+    assert (before.peak_bytes, before.peak_step.index) == (340, 7)  # X + W1 + G
+
+
+def test_policy_all_shards_every_sound_candidate_but_one_with_no_idle_interval():
+    d, notes = _decide(policy="all")
+    assert d["W1"].sharded and d["W2"].sharded and not d["W3"].sharded
+    assert "idle interval too short" in d["W3"].reason
+    after, gathers = MODEL.evaluate([d["W1"], d["W2"]], prefetch=0)
+    assert after.peak_bytes == 320 and gathers == (6, 8)  # W1's full copy is replaced by its 20 B shard at step 7
+
+
+def test_policy_peak_keeps_only_what_lowers_the_peak():
+    d, _ = _decide(policy="peak")
+    assert d["W1"].sharded
+    assert not d["W2"].sharded and d["W2"].reason == "does not lower the predicted peak"
+
+
+def test_policy_budget_takes_the_least_traffic_that_meets_it():
+    d, notes = _decide(policy="budget", budget_bytes=330)
+    assert d["W1"].sharded and not d["W2"].sharded and notes == []
+    assert d["W2"].reason == "not needed: the budget is met without it"
+
+
+def test_budget_already_met_shards_nothing():
+    d, notes = _decide(policy="budget", budget_bytes=400)
+    assert not any(x.sharded for x in d.values() if x.name != "W3")
+    assert "already within the budget" in notes[0]
+
+
+def test_budget_that_cannot_be_met_says_so():
+    d, notes = _decide(policy="budget", budget_bytes=100)
+    assert d["W1"].sharded
+    assert notes == ["budget 100 B cannot be met: the lowest predicted peak is 320 B"]
+
+
+def test_prefetch_issues_gathers_earlier_and_the_model_counts_the_early_buffers():
+    after0, gathers0 = MODEL.evaluate(SOUND[:2], prefetch=0)
+    after1, gathers1 = MODEL.evaluate(SOUND[:2], prefetch=1)
+    assert gathers0 == (6, 8) and gathers1 == (5, 6)  # W1's gather moves up to W2's first use; W2's to the top
+    assert after1.live_bytes[6] - after0.live_bytes[6] == 40  # W1's full buffer is back two steps early
+
+
+def test_plan_renders_a_table_with_every_candidate_and_its_reason():
+    decisions, _ = choose(SOUND, MODEL, ShardOptions(prefetch=0))
+    plan = ShardPlan(2, "slice", "all", 0, decisions, saved_bytes_before=120, saved_bytes_after=80)
+    text = str(plan)
+    assert "2 of 3 candidates sharded" in text
+    for d in decisions:
+        assert d.name in text and d.reason in text
+    assert "120 B -> 80 B" in text
+    assert plan.decision("W1").bytes_saved == 20 and plan.decision("W3").bytes_saved == 0
+    with pytest.raises(KeyError):
+        plan.decision("nope")

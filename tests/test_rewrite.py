@@ -1,0 +1,97 @@
+"""Pass-level tests of the rewrite: where the shard and the gather land, padding, dels and the saved lists."""
+
+import pytest
+from thunder.core import dtypes
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import AnyProxy
+from thunder.executors.pythonex import clear_mutable_collection
+
+from thunder_fp8shard import ops
+from thunder_fp8shard.rewrite import ShardRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.saved import backward_saved, forward_saved
+
+WORLD = 2
+
+
+def _weight_copies(fw):
+    return [p for p in forward_saved(fw)[0] if p.dtype == dtypes.float8_e4m3fn and p.shape[0] != 3]
+
+
+def _rewrite(fsdp_traces, prefetch):
+    fw, bw, group = fsdp_traces
+    requests = [ShardRequest(p, p.numel) for p in _weight_copies(fw)]
+    new_fw = rewrite_forward(fw, requests, group=group, world_size=WORLD, method="slice", verify=False, provenance="fwd test")
+    new_bw, gathers = rewrite_backward(bw, new_fw, group=group, prefetch=prefetch, provenance="bwd test")
+    return fw, bw, new_fw, new_bw, gathers
+
+
+def _uses(bsym):
+    return {p.name for p in bsym.flat_proxy_args}
+
+
+def _assert_no_use_after_del(trace):
+    deleted = set()
+    for b in trace.bound_symbols:
+        assert not (_uses(b) & deleted) or b.sym.id == PrimIDs.DEL, f"{b.sym.name} uses a deleted proxy"
+        if b.sym.id == PrimIDs.DEL:
+            deleted |= _uses(b)
+
+
+def test_forward_saves_padded_uint8_shards_right_after_the_last_forward_use(fsdp_traces):
+    fw, _, new_fw, _, _ = _rewrite(fsdp_traces, prefetch=1)
+    bsyms = new_fw.trace.bound_symbols
+    assert new_fw.trace.get_provenance().pss == "fwd test"
+    for s in new_fw.sharded:
+        at = next(i for i, b in enumerate(bsyms) if b.sym is ops.shard and b.flat_proxy_args[0].name == s.original.name)
+        # no use of the full tensor after the shard op except its del, and it is deleted
+        later = [b for b in bsyms[at + 1 :] if s.original.name in _uses(b)]
+        assert [b.sym.id for b in later] == [PrimIDs.DEL]
+        last_real_use = max(i for i, b in enumerate(bsyms[:at]) if s.original.name in _uses(b) and b.sym.id != PrimIDs.DEL)
+        assert all(b.sym.id == PrimIDs.DEL for b in bsyms[last_real_use + 1 : at])
+        # a flat uint8 shard of ceil(numel / world) bytes: the (7, 45) weight (315 B) is padded to 2 x 158
+        assert s.shard.dtype == dtypes.uint8 and s.shard.shape == (-(-s.original.numel // WORLD),)
+    assert {s.shard.shape for s in new_fw.sharded} == {(768,), (1440,), (158,)}
+    saved_tensors, saved_other = forward_saved(new_fw.trace)
+    names = {p.name for p in saved_tensors}
+    assert all(s.shard.name in names and s.original.name not in names for s in new_fw.sharded)
+    assert [p.name for p in saved_other] == [s.restorer.name for s in new_fw.sharded]
+    assert all(isinstance(p, AnyProxy) for p in saved_other)
+    _assert_no_use_after_del(new_fw.trace)
+
+
+def test_saved_lists_keep_their_positional_contract(fsdp_traces):
+    fw, _, new_fw, new_bw, _ = _rewrite(fsdp_traces, prefetch=1)
+    fw_t, fw_o = forward_saved(new_fw.trace)
+    bw_t, bw_o = backward_saved(new_bw)
+    assert [p.name for p in fw_t] == [p.name for p in bw_t]
+    assert [p.name for p in fw_o] == [p.name for p in bw_o]
+    assert len(fw_t) == len(forward_saved(fw)[0])
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_backward_waits_just_before_the_first_consumer_and_gathers_prefetch_ahead(fsdp_traces, prefetch):
+    fw, bw, new_fw, new_bw, gathers = _rewrite(fsdp_traces, prefetch)
+    bsyms = new_bw.bound_symbols
+    waits = [i for i, b in enumerate(bsyms) if b.sym is ops.gather_wait]
+    assert len(waits) == len(gathers) == 3
+    consumers = []
+    for w in waits:
+        restored = bsyms[w].output.name
+        assert bsyms[w].output.dtype == dtypes.float8_e4m3fn  # original shape and dtype come back
+        first = next(i for i, b in enumerate(bsyms) if restored in _uses(b))
+        assert first > w and all(b.sym.id == PrimIDs.DEL or b.sym in (ops.gather_start, ops.gather_wait) for b in bsyms[w + 1 : first])
+        consumers.append(first)
+    # the j-th gather is issued before the consumer of the (j - prefetch)-th, or at the top of the backward
+    bookkeeping = lambda b: b.sym.id == PrimIDs.DEL or "UNPACK" in str(b.sym.id) or b.sym is clear_mutable_collection  # noqa: E731
+    body_start = next(i for i, b in enumerate(bsyms) if not bookkeeping(b))
+    for j, g in enumerate(gathers):
+        if prefetch == 0:
+            assert all(b.sym.id == PrimIDs.DEL for b in bsyms[g + 1 : waits[j]])
+        elif j >= prefetch:
+            assert waits[j - prefetch] < g < consumers[j - prefetch]
+        else:  # at the top of the backward body, before any computation
+            assert all(b.sym is ops.gather_start or b.sym.id == PrimIDs.DEL for b in bsyms[body_start:g])
+        assert g < waits[j]
+    assert sum(b.sym is clear_mutable_collection for b in bsyms) >= 3  # saved lists and cotangents are cleared
+    _assert_no_use_after_del(new_bw)
+    assert new_bw.get_provenance().pss == "bwd test"
