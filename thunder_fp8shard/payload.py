@@ -81,8 +81,9 @@ def from_bytes(flat: torch.Tensor, restorer: Restorer) -> Any:
 
 
 try:  # TransformerEngine's quantized tensors exist only where TransformerEngine is installed
-    from thunder_fp8shard.payload_te import TransformerEnginePayload
+    from thunder_fp8shard.payload_te import EXTRA_KINDS, TransformerEnginePayload
 except ImportError:
     pass
 else:
-    register_payload_kind(TransformerEnginePayload())
+    for _kind in (*EXTRA_KINDS, TransformerEnginePayload()):
+        register_payload_kind(_kind)

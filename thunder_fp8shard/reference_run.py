@@ -34,6 +34,7 @@ class RunResult:
     saved_bytes: list[int]  # per step: measured with saved_tensors_hooks
     no_grad_output: torch.Tensor | None
     plans: list[ShardPlan]
+    traces: tuple[str, str] = ("", "")  # the executed forward and backward traces of the first step
 
 
 def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
@@ -71,6 +72,9 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         result.grads[-1]["input"] = x.grad.detach().clone()
         result.saved_bytes.append(saved.total)
         opt.step()
+        if step == 0:
+            entry = thunder.compile_stats(jm).interpreter_cache[0]
+            result.traces = (str(entry.computation_traces[-1]), str(entry.backward_traces[-1]))
         if step == 0 and cfg.no_grad_call:
             with torch.no_grad():
                 result.no_grad_output = jm(torch.randn(2, cfg.widths[0], generator=gen))

@@ -25,8 +25,9 @@ _ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, Prim
 _OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
 _BOOKKEEPING = {PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT}
 
-_EXECUTOR_PRIM = re.compile(r"^torch_(\w+)_prim_impl$")  # torchex names its direct prim implementations so
+_EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")  # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
 _ALL_GATHER = "torch_all_gather_prim_impl"
+_OTHER_COLLECTIVES = ("torch_all_reduce", "torch_reduce_scatter", "torch_broadcast", "torch_pack", "torch_unpack")
 _WAIT = "torch_wait_prim_impl"
 TE_LINEAR_FWD = "te_functional_linear_fwd"
 TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
@@ -99,6 +100,8 @@ def _verdicts(bsym: BoundSymbol, group, origin):
 
 def _nondeterminism(bsym: BoundSymbol) -> str | None:
     """None when ``bsym`` is a deterministic function of its inputs, else what it is."""
+    if bsym.sym.name.startswith(_OTHER_COLLECTIVES):
+        return f"{bsym.sym.name}, a collective the replication analysis does not model"
     prim = _prim_id(bsym)
     if prim is not None:
         if prim in _RANDOM_PRIMS:
@@ -107,7 +110,7 @@ def _nondeterminism(bsym: BoundSymbol) -> str | None:
             return f"uninitialized memory ({bsym.sym.name})"
         if prim in _ATOMIC_PRIMS:
             return f"{bsym.sym.name}, which may accumulate in a different order on every run"
-        if prim in _OPAQUE_PRIMS or bsym.sym.name.startswith(("torch_all_reduce", "torch_reduce_scatter")):
+        if prim in _OPAQUE_PRIMS:
             return f"{bsym.sym.name}, which the replication analysis does not model"
         return None
     if bsym.subsymbols:
@@ -124,8 +127,7 @@ def _prim_id(bsym: BoundSymbol) -> PrimIDs | None:
         return bsym.sym.id
     # executors implement prims under the prim's name ("uniform") or as "torch_<prim>_prim_impl"
     m = _EXECUTOR_PRIM.match(bsym.sym.name)
-    key = (m.group(1) if m else bsym.sym.name).upper()
-    return PrimIDs.__members__.get(key) or PrimIDs.__members__.get(key.removesuffix("_PRIM"))
+    return PrimIDs.__members__.get((m.group(1) if m else bsym.sym.name).upper())
 
 
 def _first_origin(proxies, origin) -> str | None:
