@@ -30,10 +30,9 @@ def _check_saved_bytes_drop_as_planned(results):
         # plans: [0] the first input shape, [1] the no-grad call, [2] the second shape; step 3 hits plans[0]'s entry
         plan_of_step = [shard.plans[0], shard.plans[2], shard.plans[0]]
         for step, plan in enumerate(plan_of_step):
-            measured = base.saved_bytes[step] - shard.saved_bytes[step]
-            planned = plan.saved_bytes_before - plan.saved_bytes_after
-            assert planned > 0
-            assert measured == planned, f"step {step}"
+            # the prediction counts each storage once, as saved_tensors_hooks sees them: equal to the byte
+            assert (plan.saved_bytes_before, plan.saved_bytes_after) == (base.saved_bytes[step], shard.saved_bytes[step])
+            assert plan.saved_bytes_after < plan.saved_bytes_before
         assert shard.plans[1].decisions == [] and "forward-only" in shard.plans[1].notes[0]
 
 

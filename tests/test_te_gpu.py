@@ -97,6 +97,7 @@ def test_llama_zero3_te_bitwise_and_memory():
     fp8w = sum(d["nbytes"] for d in weights)
     report["te_fp8_weight_bytes"] = fp8w
     report["predicted_saving"] = plan["predicted_saving"]
+    report["refused_input_reasons"] = sorted({d["reason"] for d in inputs})
     for rr in report["ranks"]:
         rr["measured_saving"] = rr["saved_measured_without"] - rr["saved_measured_with"]
         rr["peak_reduction"] = rr["peak_bytes_without"] - rr["peak_bytes_with"]
@@ -111,3 +112,6 @@ def test_llama_zero3_te_bitwise_and_memory():
     n_sharded = sum(1 for d in weights if d["sharded"])
     for rr in report["ranks"]:
         assert rr["measured_saving"] == report["predicted_saving"] + 4 * n_sharded, rr
+    # the replication analysis understands reshapes: each refused quantized input is traced to the rank's input
+    for d in inputs:
+        assert "the rank's input" in d["reason"] and "does not understand" not in d["reason"], d["reason"]

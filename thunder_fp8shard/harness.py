@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
 import traceback
 from typing import Any, Callable
@@ -24,23 +25,25 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
     """
     port = _free_port()
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    errors = []
-    for _ in procs:
-        rank, ok, value = results.get()
-        if ok:
+    try:
+        for _ in procs:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no result from ranks {sorted(set(range(world_size)) - set(out))} in {timeout_s} s") from None
+            if not ok:  # the other ranks may be stuck in a collective waiting for this one: stop them all
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = pickle.loads(value)
-        else:
-            errors.append((rank, value))
-    for p in procs:
-        p.join(timeout_s)
-    if errors:
-        rank, tb = errors[0]
-        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0)
+            if p.is_alive():
+                p.kill()
     return [out[r] for r in range(world_size)]
 
 

@@ -13,7 +13,7 @@ refuses float8 collectives. The executor below is never passed to ``thunder.jit`
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ def shard_numel(payload_bytes: int, world_size: int) -> int:
 
 def _shard_meta(t, group, world_size: int, payload_bytes: int, method: str, verify: bool, name: str):
     shard = TensorProxy(like=t, shape=(shard_numel(payload_bytes, world_size),), dtype=dtypes.uint8, requires_grad=False)
-    return shard, AnyProxy(None, prefix="restore")
+    return shard, AnyProxy(payload.Restorer("", 0, None), prefix="restore")  # the object only names the type
 
 
 def _shard_impl(t, group, world_size: int, payload_bytes: int, method: str, verify: bool, name: str):
@@ -80,13 +80,19 @@ def check_identical_across_ranks(flat: torch.Tensor, group, name: str) -> None:
 
 
 def _gather_start_meta(shard, group):
-    return AnyProxy(None, prefix="gather")
+    return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
 
 
-def _gather_start_impl(shard: torch.Tensor, group) -> tuple[Any, torch.Tensor]:
+class GatherHandle(NamedTuple):
+    """An all-gather in flight: its work handle and the buffer it fills."""
+
+    work: Any
+    buffer: torch.Tensor
+
+
+def _gather_start_impl(shard: torch.Tensor, group) -> GatherHandle:
     out = torch.empty(shard.numel() * dist.get_world_size(group), dtype=torch.uint8, device=shard.device)
-    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
-    return work, out
+    return GatherHandle(dist.all_gather_into_tensor(out, shard, group=group, async_op=True), out)
 
 
 gather_start = executor.register_operator("fp8shard_gather_start", meta=_gather_start_meta, fn=_gather_start_impl)
@@ -96,10 +102,9 @@ def _gather_wait_meta(handle, restorer):
     raise NotImplementedError("fp8shard_gather_wait is bound by the rewrite with the restored proxy as its output")
 
 
-def _gather_wait_impl(handle: tuple[Any, torch.Tensor], restorer: payload.Restorer):
-    work, out = handle
-    work.wait()
-    return payload.from_bytes(out, restorer)
+def _gather_wait_impl(handle: GatherHandle, restorer: payload.Restorer):
+    handle.work.wait()
+    return payload.from_bytes(handle.buffer, restorer)
 
 
 gather_wait = executor.register_operator("fp8shard_gather_wait", meta=_gather_wait_meta, fn=_gather_wait_impl)

@@ -62,7 +62,7 @@ class MemoryModel:
 
 def soundness(
     candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, world_size: int,
-    model: MemoryModel | None = None, saved_names: set[str] = frozenset(),
+    model: MemoryModel, saved_names: set[str],
 ) -> list[Decision]:
     """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason."""
     decisions = []
@@ -77,9 +77,9 @@ def soundness(
             why = "world size is 1: there is nothing to shard over"
         elif c.payload_bytes < options.min_bytes:
             why = f"smaller than min_bytes={options.min_bytes}"
-        elif model is not None and c.name not in model.placements:
+        elif c.name not in model.placements:
             why = "not used in backward"
-        elif model is not None and (others := _storage_sharers(c, model, saved_names)):
+        elif others := _storage_sharers(c, model, saved_names):
             why = f"shares its storage with saved tensor(s) {', '.join(others)}: sharding it alone frees nothing"
         decisions.append(_decision(c, replicated, world_size, why))
     return decisions

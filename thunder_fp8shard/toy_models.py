@@ -55,3 +55,54 @@ class FakeFP8MLP(nn.Module):
             if i + 1 < len(self.layers):
                 x = F.gelu(x)
         return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """A litgpt-style Llama block (RMSNorm, causal attention with a fused qkv projection, SwiGLU MLP) whose linear
+    layers are ``FakeFP8Linear`` (no rotary embedding: it does not change what is saved for backward)."""
+
+    def __init__(self, n_embd: int, n_head: int, intermediate_size: int):
+        super().__init__()
+        self.n_head = n_head
+        self.norm_1, self.norm_2 = RMSNorm(n_embd), RMSNorm(n_embd)
+        self.qkv = FakeFP8Linear(n_embd, 3 * n_embd, bias=False)
+        self.proj = FakeFP8Linear(n_embd, n_embd, bias=False)
+        self.fc_1 = FakeFP8Linear(n_embd, intermediate_size, bias=False)
+        self.fc_2 = FakeFP8Linear(n_embd, intermediate_size, bias=False)
+        self.mlp_proj = FakeFP8Linear(intermediate_size, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm_1(x)).split(c, dim=-1)
+        q, k, v = (z.reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        h = self.norm_2(x)
+        return x + self.mlp_proj(F.silu(self.fc_1(h)) * self.fc_2(h))
+
+
+class FakeFP8Llama(nn.Module):
+    """A litgpt-style Llama (token embedding, ``n_layer`` blocks, final RMSNorm, LM head) with fake-FP8 linears."""
+
+    def __init__(self, n_layer: int, n_embd: int = 64, n_head: int = 4, intermediate_size: int = 172, vocab_size: int = 256):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.blocks = nn.ModuleList(LlamaBlock(n_embd, n_head, intermediate_size) for _ in range(n_layer))
+        self.norm = RMSNorm(n_embd)
+        self.lm_head = FakeFP8Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))

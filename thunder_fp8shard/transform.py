@@ -114,7 +114,7 @@ class ShardIntermediates(Transform):
         sound = soundness(candidates, analyze_replication(fw, group), model_io_names(fw), o, world_size, model, saved_names)
         decisions, notes = choose(sound, model, o)
         sharded = [d for d in decisions if d.sharded]
-        before, gathers = model.evaluate([], o.prefetch)
+        before, _ = model.evaluate([], o.prefetch)
         after, gathers = model.evaluate(sharded, o.prefetch)
         life_of = {m: life for life in model.lives.values() for m in life.members}
         saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
