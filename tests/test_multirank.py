@@ -67,3 +67,15 @@ def test_all_candidates_shards_the_gathered_full_precision_weights_too():
     for rank, (base, shard) in enumerate(results):
         assert mismatches(base, shard) == [], f"rank {rank}"
     _check_saved_bytes_drop_as_planned(results)
+
+
+def test_peak_policy_is_exact_and_never_raises_the_predicted_peak():
+    cfg = RunConfig(widths=WIDTHS, batch_sizes=(3,), no_grad_call=False, options={"min_bytes": 0, "policy": "peak"})
+    results = run_on_ranks(train_with_and_without, 2, cfg)
+    for rank, (base, shard) in enumerate(results):
+        assert mismatches(base, shard) == [], f"rank {rank}"
+        plan = shard.plans[0]
+        assert plan.peak_bytes_after <= plan.peak_bytes_before
+        assert plan.timeline_after.peak_bytes == plan.peak_bytes_after
+        for d in plan.decisions:
+            assert d.sharded or d.reason.startswith(("per-rank", "does not lower the predicted peak", "idle interval"))
