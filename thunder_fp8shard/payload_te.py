@@ -145,15 +145,6 @@ Float8BlockwisePayload = _optional_kind(
     "te_float8_blockwise", ("rowwise_data", "columnwise_data"),
 )
 
-# every TE payload kind besides TransformerEnginePayload (which payload.py registers); payload.py may register these
+# the TE payload kinds besides TransformerEnginePayload that this TE version has; payload.py registers them all
 EXTRA_KINDS = tuple(k() for k in (MXFP8Payload, Float8BlockwisePayload) if k is not None)
 
-
-def saved_storage_nbytes(obj: Any) -> list[tuple[int, int]]:
-    """``(data_ptr, nbytes)`` of the storages a saved object occupies: each inner buffer of a TE quantized tensor,
-    else the tensor's own storage. Used to measure saved-for-backward bytes."""
-    if hasattr(type(obj), "_INNER_TENSORS"):
-        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                for _a, _k, t in inner_buffers(obj) if t is not None]
-    s = obj.untyped_storage()
-    return [(s.data_ptr(), s.nbytes())]

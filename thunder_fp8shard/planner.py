@@ -56,8 +56,9 @@ class MemoryModel:
 
     @property
     def backward_body_start(self) -> int:
-        """First backward step after the unpacking of the arguments (where the earliest gather can be issued)."""
-        return min((p.first_use for p in self.placements.values()), default=len(self.steps) - 1)
+        """First compute step of the backward: the rewrite issues the earliest gathers right before it."""
+        first_backward = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps) - 1)
+        return next((i for i in range(first_backward, len(self.steps)) if self.compute[i]), len(self.steps) - 1)
 
 
 def soundness(
