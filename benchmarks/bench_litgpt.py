@@ -308,8 +308,8 @@ def compare(without: dict, with_: dict) -> dict:
     }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The litgpt model and batch shape arguments, shared with ``te_peer.py``."""
     p.add_argument("--model-name", default="Llama-2-7b-hf")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int)
@@ -318,6 +318,11 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=1024)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
     p.add_argument("--world-size", type=int, default=2, help="gloo: ranks to spawn (torchrun sets it for nccl)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--shard", action=argparse.BooleanOptionalAction, default=True, help="with/without the pass")

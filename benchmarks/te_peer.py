@@ -169,15 +169,10 @@ def _errors(plain: list[dict], shard: list[dict]) -> dict:
 
 
 def main(argv=None):
+    from benchmarks.bench_litgpt import add_model_args
+
     p = argparse.ArgumentParser(description="TE fsdp_group peer under PyTorch FSDP1")
-    p.add_argument("--model-name", default="Llama-2-7b-hf")
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int)
-    p.add_argument("--intermediate-size", type=int)
-    p.add_argument("--n-head", type=int)
-    p.add_argument("--vocab-size", type=int)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=1024)
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")

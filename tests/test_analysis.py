@@ -1,6 +1,5 @@
 """Pass-level tests of candidate discovery and the replication analysis on real Thunder FSDP ZeRO-3 traces."""
 
-import pytest
 import torch
 from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy

@@ -13,9 +13,7 @@ def _with_broken_analysis(job):
         from thunder_fp8shard.replication import Replication
 
         def everything_replicated(trace, group):
-            from thunder_fp8shard.replication import _flat_proxies
-
-            return Replication(frozenset(p.name for b in trace.bound_symbols for p in _flat_proxies(b.flat_outs)))
+            return Replication(frozenset(p.name for b in trace.bound_symbols for p in b.flat_proxy_outs))
 
         transform.analyze_replication = everything_replicated
         return job(rank, world_size, cfg)

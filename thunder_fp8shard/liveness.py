@@ -111,6 +111,11 @@ def _is_bookkeeping(bsym: BoundSymbol) -> bool:
     return bsym.sym.id in _BOOKKEEPING or bsym.sym.name == "clear_mutable_collection"
 
 
+def is_compute(bsym: BoundSymbol) -> bool:
+    """False for steps that compute nothing: bookkeeping, unpacks and comments."""
+    return not (_is_bookkeeping(bsym) or bsym.sym.id in _UNPACKS or bsym.sym.id == PrimIDs.COMMENT)
+
+
 def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, BoundSymbol]]:
     bw = bw_trace.bound_symbols if bw_trace is not None else []
     return [("forward", b) for b in fw_trace.bound_symbols] + [("backward", b) for b in bw]

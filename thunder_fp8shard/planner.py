@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
-from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx
-from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard.candidates import Candidate
 from thunder_fp8shard.liveness import (
-    Life, ShardedLife, Step, Timeline, joint_graph, program_steps, storage_lives, timeline, uses, with_sharding,
+    Life, ShardedLife, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives, timeline, uses,
+    with_sharding,
 )
 from thunder_fp8shard.ops import shard_numel
 from thunder_fp8shard.options import ShardOptions
@@ -178,7 +177,7 @@ def memory_model(fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes
     steps = program_steps(fw, bw)
     life_of = {m: life.name for life in lives.values() for m in life.members}
     backward_start = graph.graph["backward_start"]
-    compute = tuple(not _is_bookkeeping(graph.nodes[i]["bsym"]) for i in range(len(steps)))
+    compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
     placements = {}
     for c in candidates:
         life = lives[life_of[c.name]]
@@ -188,7 +187,3 @@ def memory_model(fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     return MemoryModel(lives, steps, placements, compute)
 
-
-def _is_bookkeeping(bsym) -> bool:
-    sid = bsym.sym.id
-    return (isinstance(sid, PrimIDs) and (sid in (PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT) or sid.name.startswith("UNPACK"))) or bsym.sym is clear_mutable_collection

@@ -75,7 +75,7 @@ def analyze_replication(trace: TraceCtx, group) -> Replication:
 
 def _verdicts(bsym: BoundSymbol, group, origin):
     """(output proxy, None or reason) for each output of ``bsym``."""
-    outs = _flat_proxies(bsym.flat_outs)
+    outs = list(bsym.flat_proxy_outs)
     name = bsym.sym.name
     if name == _ALL_GATHER:
         same_group = bsym.args[1] is group
@@ -94,7 +94,7 @@ def _verdicts(bsym: BoundSymbol, group, origin):
     problem = _nondeterminism(bsym)
     if problem is not None:
         return [(o, problem) for o in outs]
-    why = _first_origin(_flat_proxies(bsym.flat_args), origin)
+    why = _first_origin(bsym.flat_proxy_args, origin)
     return [(o, why) for o in outs]
 
 

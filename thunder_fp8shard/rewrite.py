@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import AnyProxy, TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transforms import (
@@ -125,7 +124,7 @@ def _last_forward_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int
     for i, b in enumerate(body):
         if b.sym.id == PrimIDs.RETURN:
             continue
-        for p in (*_proxies(b.flat_args), *_proxies(b.flat_outs)):
+        for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
             if p.name in names:
                 last[p.name] = i
     return last
@@ -134,14 +133,8 @@ def _last_forward_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int
 def _first_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:
     first: dict[str, int] = {}
     for i, b in enumerate(body):
-        for p in _proxies(b.flat_args):
+        for p in b.flat_proxy_args:
             if p.name in names and p.name not in first:
                 first[p.name] = i
     return first
 
-
-def _proxies(xs):
-    from thunder.core.proxies import Proxy
-
-    flat, _ = tree_flatten(xs)
-    return [x for x in flat if isinstance(x, Proxy)]
