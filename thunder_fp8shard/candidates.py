@@ -9,7 +9,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.replication import TE_LINEAR_FWD, TE_SCALE_UPDATE
-from thunder_fp8shard.saved import forward_saved, tensor_nbytes
+from thunder_fp8shard.saved import forward_saved, numel, tensor_nbytes
 
 FLOAT8 = "float8"  # a tensor with a torch float8 dtype
 TE_FLOAT8 = "te_float8"  # a TransformerEngine quantized tensor; its proxy prints the high-precision dtype
@@ -38,7 +38,7 @@ def find_candidates(fw: TraceCtx, candidates: str) -> list[Candidate]:
             continue
         if p.name in te_quantized:
             # TE keeps one uint8 buffer per saved quantized tensor under DelayedScaling (its transpose): 1 byte/element
-            found[p.name] = Candidate(p, TE_FLOAT8, int(p.numel))
+            found[p.name] = Candidate(p, TE_FLOAT8, numel(p))
         elif p.dtype in dtypes.float_8bit_dtypes:
             found[p.name] = Candidate(p, FLOAT8, tensor_nbytes(p))
         elif candidates == "all":

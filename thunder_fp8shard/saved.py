@@ -34,5 +34,12 @@ def model_io_names(fw: TraceCtx) -> set[str]:
     return {p.name for p in flat if isinstance(p, Proxy)}
 
 
+def numel(p: TensorProxy) -> int:
+    """``p.numel`` without Thunder's method lookup (``TensorProxy.numel`` resolves through ``__getattr__`` and the
+    language context on every access, which dominates a pass over every tensor of a large trace)."""
+    n = getattr(p, "_numel", None)
+    return n if type(n) is int else int(p.numel)
+
+
 def tensor_nbytes(p: TensorProxy) -> int:
-    return int(p.numel * p.dtype.bytes)
+    return int(numel(p) * p.dtype.bytes)
