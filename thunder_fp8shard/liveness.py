@@ -30,7 +30,7 @@ import networkx as nx
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.pytree import tree_flatten
-from thunder.core.symbol import BoundSymbol
+from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
@@ -122,8 +122,28 @@ def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, Bou
 
 
 def _label(bsym: BoundSymbol) -> str:
-    if bsym.sym.id == PrimIDs.RETURN:
+    """The printed line of ``bsym`` up to its call's "(" (``"t387 = torch.nn.functional.linear"``, ``"del t12"``).
+
+    The common cases (the default printer with one tensor or no output, ``del`` of proxies) are spelled out from
+    the names, as the printer would; printing a whole line (every argument) costs more than the rest of the
+    analysis, so only the rare other symbols are printed.
+    """
+    sym = bsym.sym
+    if sym.id == PrimIDs.RETURN:
         return "return"
+    if not bsym.header:
+        if sym.python_printer is default_python_printer:
+            out = bsym.output
+            if out is None or (type(out) in (tuple, list) and not out):
+                return bsym.name_with_module()
+            if _is_tensor(out):
+                return f"{out.name} = {bsym.name_with_module()}"
+        elif sym.id == PrimIDs.DEL and all(isinstance(a, Proxy) for a in bsym.args):
+            return f"del {', '.join(a.name for a in bsym.args)}"[:80]
+    return _printed_label(bsym)
+
+
+def _printed_label(bsym: BoundSymbol) -> str:
     lines = bsym.python(indent=0)
     if not lines or lines[0].startswith("#"):  # unpack_trivial prints only a comment
         outs = ", ".join(p.name for p in bsym.flat_proxy_outs)
