@@ -33,6 +33,8 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
+from thunder_fp8shard.saved import tensor_nbytes
+
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
 VIEW_OPS = frozenset(
     {
@@ -182,38 +184,49 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
     """
     joint = _joint(fw_trace, bw_trace)
     bw_start = len(fw_trace.bound_symbols)
-    g = nx.DiGraph(backward_start=bw_start)
+    # Nodes (in networkx insertion order) and edges are collected first and added in bulk: one add_node/add_edge
+    # call per tensor use costs more than the rest of this function.
+    nodes: list[tuple[int | str, dict]] = []
+    edges: list[tuple[int | str, int | str]] = []
+    tensors: dict[str, dict] = {}
 
     def add_tensor(p: Proxy, start: int) -> None:
-        if p.name not in g:
-            g.add_node(p.name, proxy=p, nbytes=int(p.numel * p.dtype.bytes), start=start, held_until=start)
+        if p.name not in tensors:
+            attrs = dict(proxy=p, nbytes=tensor_nbytes(p), start=start, held_until=start)
+            tensors[p.name] = attrs
+            nodes.append((p.name, attrs))
 
     for p in _tensors(tree_flatten((fw_trace.args, fw_trace.kwargs))[0]):
         add_tensor(p, 0)
-        g.nodes[p.name]["held_until"] = bw_start - 1
+        tensors[p.name]["held_until"] = bw_start - 1
     for i, (phase, bsym) in enumerate(joint):
-        g.add_node(i, index=i, phase=phase, bsym=bsym)
+        nodes.append((i, dict(index=i, phase=phase, bsym=bsym)))
+        input_start = 0 if phase == "forward" else bw_start
         for p in _tensors(bsym.flat_proxy_args):
-            add_tensor(p, 0 if phase == "forward" else bw_start)  # an input nothing produced
-            g.add_edge(p.name, i)
+            add_tensor(p, input_start)  # an input nothing produced
+            edges.append((p.name, i))
+        unpack = bsym.sym.id in _UNPACKS
         for p in _tensors(bsym.flat_proxy_outs):
-            if bsym.sym.id in _UNPACKS:  # a trace input under its name: a use if known, else an input
-                if p.name in g:
-                    g.add_edge(p.name, i)
+            if unpack:  # a trace input under its name: a use if known, else an input
+                if p.name in tensors:
+                    edges.append((p.name, i))
                 else:
-                    add_tensor(p, 0 if phase == "forward" else bw_start)
-            elif p.name not in g:  # a name already known is passed through, not allocated
+                    add_tensor(p, input_start)
+            elif p.name not in tensors:  # a name already known is passed through, not allocated
                 add_tensor(p, i)
-                g.add_edge(i, p.name)
+                edges.append((i, p.name))
 
     outputs, saved = _forward_return(fw_trace)
     for p in outputs:
-        g.nodes[p.name]["held_until"] = max(g.nodes[p.name]["held_until"], bw_start - 1)
+        tensors[p.name]["held_until"] = max(tensors[p.name]["held_until"], bw_start - 1)
     for p in saved:
-        g.nodes[p.name]["held_until"] = max(g.nodes[p.name]["held_until"], min(bw_start, len(joint) - 1))
+        tensors[p.name]["held_until"] = max(tensors[p.name]["held_until"], min(bw_start, len(joint) - 1))
     if bw_trace is not None and bw_trace.bound_symbols and bw_trace.bound_symbols[-1].sym.id == PrimIDs.RETURN:
         for p in _tensors(bw_trace.bound_symbols[-1].flat_proxy_args):
-            g.nodes[p.name]["held_until"] = len(joint) - 1
+            tensors[p.name]["held_until"] = len(joint) - 1
+    g = nx.DiGraph(backward_start=bw_start)
+    g.add_nodes_from(nodes)
+    g.add_edges_from(edges)
     return g
 
 
@@ -238,21 +251,33 @@ def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
 
 
 def storage_lives(
-    fw_trace: TraceCtx, bw_trace: TraceCtx | None, *, nbytes_of: Callable[[Proxy], int] | None = None
+    fw_trace: TraceCtx,
+    bw_trace: TraceCtx | None,
+    *,
+    nbytes_of: Callable[[Proxy], int] | None = None,
+    graph: nx.DiGraph | None = None,
 ) -> dict[str, Life]:
     """One ``Life`` per storage of the joint program, keyed by its name, in order of allocation.
 
     ``nbytes_of(proxy)`` overrides a storage's size (it is asked about the representative proxy), e.g. for
-    TransformerEngine tensors whose proxies print bf16 but hold 1 byte per element.
+    TransformerEngine tensors whose proxies print bf16 but hold 1 byte per element. ``graph``: the
+    ``joint_graph(fw_trace, bw_trace)`` when the caller already has it (it is built here otherwise).
     """
-    g = joint_graph(fw_trace, bw_trace)
+    g = graph if graph is not None else joint_graph(fw_trace, bw_trace)
+    nodes = g.nodes
     order = {n: k for k, n in enumerate(g)}  # insertion order: order of first appearance
+    last_use: dict[str, int] = {}  # max(uses(g, [name])), for every tensor with a use, in one pass over the steps
+    for i in order:
+        if type(i) is int and not _is_bookkeeping(nodes[i]["bsym"]):
+            for name in g.pred[i]:
+                if last_use.get(name, -1) < i:
+                    last_use[name] = i
     lives = []
     for group in alias_groups(g):
-        members = sorted(group, key=lambda n: (g.nodes[n]["start"], order[n]))
-        rep = g.nodes[members[0]]
-        end = max(max(uses(g, [n]), default=0) for n in members)
-        end = max(end, *(g.nodes[n]["held_until"] for n in members))
+        members = sorted(group, key=lambda n: (nodes[n]["start"], order[n]))
+        rep = nodes[members[0]]
+        end = max(last_use.get(n, 0) for n in members)
+        end = max(end, *(nodes[n]["held_until"] for n in members))
         nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
         lives.append(Life(members[0], tuple(members), nbytes, rep["start"], end))
     lives.sort(key=lambda life: (life.start, order[life.name]))

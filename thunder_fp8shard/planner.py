@@ -173,7 +173,7 @@ def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | No
 def memory_model(fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of) -> MemoryModel:
     """Builds the joint program's storages and steps, and places every candidate on them."""
     graph = joint_graph(fw, bw)
-    lives = storage_lives(fw, bw, nbytes_of=nbytes_of)
+    lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
     steps = program_steps(fw, bw)
     life_of = {m: life.name for life in lives.values() for m in life.members}
     backward_start = graph.graph["backward_start"]
