@@ -19,6 +19,8 @@ from thunder_fp8shard.toy_models import FakeFP8MLP
         ({"min_bytes": -1}, ValueError, r"min_bytes must be a non-negative int, got -1"),
         ({"prefetch": 1.5}, ValueError, r"prefetch must be a non-negative int, got 1.5"),
         ({"verify": "yes"}, TypeError, r"verify must be a bool"),
+        ({"bucket_bytes": -1}, ValueError, r"bucket_bytes must be a non-negative int, got -1"),
+        ({"comm": "nccl"}, ValueError, r"comm must be one of \('dedicated', 'fsdp'\), got 'nccl'"),
     ],
 )
 def test_invalid_options_fail_at_construction(options, error, message):

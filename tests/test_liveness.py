@@ -14,7 +14,8 @@ from torch import nn
 
 from thunder_fp8shard.liveness import (
     Life,
-    ShardedLife,
+    ShardedGroup,
+    Step,
     joint_graph,
     program_steps,
     storage_lives,
@@ -129,11 +130,11 @@ def test_with_sharding_lowers_between_shard_and_gather():
     steps = program_steps(fw, bw)
     lives = storage_lives(fw, bw)
     a = p["a"].name  # saved via its view b; last forward use 2, first backward use 5
-    plan = ShardedLife(a, shard_nbytes=16, shard_at=2, gather_at=5, first_use=5)
-    sharded = with_sharding(lives, steps, {a: plan})
+    plan = ShardedGroup("g", (a,), shard_nbytes=16, gathered_nbytes=64, shard_at=2, gather_at=5, first_use=5)
+    sharded = with_sharding(lives, steps, [plan])
     assert sharded[a] == Life(a, (a, p["b"].name), 64, 0, 2)
-    assert sharded[f"{a}.shard"] == Life(f"{a}.shard", (), 16, 2, 5)
-    assert sharded[f"{a}.gathered"] == Life(f"{a}.gathered", (a, p["b"].name), 64, 5, 5)
+    assert sharded["g.shard"] == Life("g.shard", (), 16, 2, 5)
+    assert sharded["g.gathered"] == Life("g.gathered", (a, p["b"].name), 64, 5, 5)
     delta = [x - y for x, y in zip(timeline(sharded, steps).live_bytes, HAND_LIVE)]
     # full and shard overlap at shard_at and at the gather; strictly between, 64 - 16 bytes are saved
     assert delta == [0, 0, 16, -48, -48, 16, 0, 0, 0, 0, 0, 0]
@@ -147,9 +148,21 @@ def test_with_sharding_lowers_between_shard_and_gather():
 def test_with_sharding_rejects_impossible_plans(shard_at, gather_at, first_use):
     fw, bw, p = _hand_traces()
     a = p["a"].name  # lives [0, 5]
-    plan = ShardedLife(a, 16, shard_at, gather_at, first_use)
+    plan = ShardedGroup("g", (a,), 16, 64, shard_at, gather_at, first_use)
     with pytest.raises(ValueError):
-        with_sharding(storage_lives(fw, bw), program_steps(fw, bw), {a: plan})
+        with_sharding(storage_lives(fw, bw), program_steps(fw, bw), [plan])
+
+
+def test_a_bucket_is_one_shard_and_one_gathered_buffer_living_to_its_last_members_end():
+    steps = tuple(Step(i, "forward" if i < 4 else "backward", f"op{i}") for i in range(8))
+    lives = {"u": Life("u", ("u", "u_view"), 40, 0, 5), "v": Life("v", ("v",), 60, 1, 7)}
+    bucket = ShardedGroup("b0", ("u", "v"), shard_nbytes=56, gathered_nbytes=112, shard_at=2, gather_at=4, first_use=5)
+    out = with_sharding(lives, steps, [bucket])
+    assert out["u"] == Life("u", ("u", "u_view"), 40, 0, 2) and out["v"] == Life("v", ("v",), 60, 1, 2)
+    assert out["b0.shard"] == Life("b0.shard", (), 56, 2, 5)
+    # the members are views of one buffer: it is freed when the last of them dies (v, at 7)
+    assert out["b0.gathered"] == Life("b0.gathered", ("u", "u_view", "v"), 112, 4, 7)
+    assert timeline(out, steps).live_bytes == (40, 100, 156, 56, 168, 168, 112, 112)
 
 
 def test_future_tensor_counts_by_its_buffer():
@@ -211,8 +224,8 @@ def test_plot(tmp_path):
     steps = program_steps(fw, bw)
     lives = storage_lives(fw, bw)
     before = timeline(lives, steps)
-    plan = ShardedLife(p["a"].name, shard_nbytes=16, shard_at=2, gather_at=5, first_use=5)
-    after = timeline(with_sharding(lives, steps, {p["a"].name: plan}), steps)
+    plan = ShardedGroup("g", (p["a"].name,), shard_nbytes=16, gathered_nbytes=64, shard_at=2, gather_at=5, first_use=5)
+    after = timeline(with_sharding(lives, steps, [plan]), steps)
     path = tmp_path / "memory.png"
     fig = plot_timelines(before, after, gathers=[5], title="hand", path=path)
     (ax,) = fig.axes

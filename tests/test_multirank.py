@@ -14,6 +14,8 @@ WEIGHT_SHAPES = {(61, 25), (47, 61), (7, 47)}
 
 
 def _check_exact(results, expect_sharded_shapes=WEIGHT_SHAPES):
+    """Bitwise equal to the run without the pass, non-zero gradients, and exactly the replicated weight copies
+    sharded; with the default options, one bucket per tensor on FSDP's process group."""
     for rank, (base, shard) in enumerate(results):
         assert mismatches(base, shard) == [], f"rank {rank}"
         for step_grads in shard.grads:
@@ -41,19 +43,28 @@ def test_exact_gradients_and_saved_bytes(world_size):
     results = run_on_ranks(train_with_and_without, world_size, RunConfig(widths=WIDTHS, options={"min_bytes": 0}))
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
+    plan = results[0][1].plans[0]
+    assert plan.comm == "fsdp" and [len(b.members) for b in plan.buckets] == [1, 1, 1]  # the defaults
 
 
-def test_reduce_scatter_method_is_exact():
-    cfg = RunConfig(widths=WIDTHS, options={"min_bytes": 0, "method": "reduce_scatter", "prefetch": 0})
-    results = run_on_ranks(train_with_and_without, 3, cfg)
+def test_reduce_scatter_method_in_one_bucket_is_exact():
+    options = {"min_bytes": 0, "method": "reduce_scatter", "prefetch": 0, "bucket_bytes": 1 << 20}
+    results = run_on_ranks(train_with_and_without, 3, RunConfig(widths=WIDTHS, options=options))
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
+    plan = results[0][1].plans[0]
+    assert [len(b.members) for b in plan.buckets] == [3] and plan.comm == "fsdp"
 
 
-def test_thunder_distributed_fsdp_api_and_verify():
-    cfg = RunConfig(widths=WIDTHS, api="fsdp", options={"min_bytes": 0, "verify": True, "prefetch": 2})
-    results = run_on_ranks(train_with_and_without, 2, cfg)
+def test_thunder_distributed_fsdp_api_verify_and_two_buckets():
+    # in order of first backward use (the recomputed dequantizations come first) the weight copies hold 1,525,
+    # 2,867 and 329 bytes: a 3,200-byte cap makes two buckets
+    options = {"min_bytes": 0, "verify": True, "prefetch": 2, "bucket_bytes": 3200, "comm": "dedicated"}
+    results = run_on_ranks(train_with_and_without, 2, RunConfig(widths=WIDTHS, api="fsdp", options=options))
     _check_exact(results)
+    _check_saved_bytes_drop_as_planned(results)
+    plan = results[0][1].plans[0]
+    assert [b.nbytes for b in plan.buckets] == [1525, 2867 + 329] and plan.comm == "dedicated"
 
 
 def test_all_candidates_shards_the_gathered_full_precision_weights_too():

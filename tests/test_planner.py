@@ -5,7 +5,7 @@ import pytest
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Decision, ShardPlan
-from thunder_fp8shard.planner import MemoryModel, Placement, choose
+from thunder_fp8shard.planner import MemoryModel, Placement, choose, schedule
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
 # W1 (40 B) is last used in forward at 1 and first in backward at 8: it is live at the peak.
@@ -28,12 +28,17 @@ SOUND = [
 
 
 def _decide(**options):
-    decisions, notes = choose(SOUND, MODEL, ShardOptions(prefetch=0, **options))
+    decisions, _, notes = choose(SOUND, MODEL, ShardOptions(prefetch=0, **options), 2)
     return {d.name: d for d in decisions}, notes
 
 
+def _evaluate(chosen, prefetch, bucket_bytes=0):
+    buckets = schedule(chosen, MODEL, prefetch=prefetch, bucket_bytes=bucket_bytes, world_size=2)
+    return MODEL.evaluate(buckets), tuple(b.gather_at for b in buckets)
+
+
 def test_unmodified_peak_is_the_backward_spike():
-    before, _ = MODEL.evaluate([], prefetch=0)
+    before = MODEL.evaluate([])
     assert (before.peak_bytes, before.peak_step.index) == (340, 7)  # X + W1 + G
 
 
@@ -41,7 +46,7 @@ def test_policy_all_shards_every_sound_candidate_but_one_with_no_idle_interval()
     d, notes = _decide(policy="all")
     assert d["W1"].sharded and d["W2"].sharded and not d["W3"].sharded
     assert "idle interval too short" in d["W3"].reason
-    after, gathers = MODEL.evaluate([d["W1"], d["W2"]], prefetch=0)
+    after, gathers = _evaluate([d["W1"], d["W2"]], prefetch=0)
     assert after.peak_bytes == 320 and gathers == (6, 8)  # W1's full copy is replaced by its 20 B shard at step 7
 
 
@@ -70,14 +75,14 @@ def test_budget_that_cannot_be_met_says_so():
 
 
 def test_prefetch_issues_gathers_earlier_and_the_model_counts_the_early_buffers():
-    after0, gathers0 = MODEL.evaluate(SOUND[:2], prefetch=0)
-    after1, gathers1 = MODEL.evaluate(SOUND[:2], prefetch=1)
+    after0, gathers0 = _evaluate(SOUND[:2], prefetch=0)
+    after1, gathers1 = _evaluate(SOUND[:2], prefetch=1)
     assert gathers0 == (6, 8) and gathers1 == (5, 6)  # W1's gather moves up to W2's first use; W2's to the top
     assert after1.live_bytes[6] - after0.live_bytes[6] == 40  # W1's full buffer is back two steps early
 
 
 def test_plan_renders_a_table_with_every_candidate_and_its_reason():
-    decisions, _ = choose(SOUND, MODEL, ShardOptions(prefetch=0))
+    decisions, _, _ = choose(SOUND, MODEL, ShardOptions(prefetch=0), 2)
     plan = ShardPlan(2, "slice", "all", 0, decisions, saved_bytes_before=120, saved_bytes_after=80)
     text = str(plan)
     assert "2 of 3 candidates sharded" in text
@@ -87,3 +92,16 @@ def test_plan_renders_a_table_with_every_candidate_and_its_reason():
     assert plan.decision("W1").bytes_saved == 20 and plan.decision("W3").bytes_saved == 0
     with pytest.raises(KeyError):
         plan.decision("nope")
+
+
+def test_buckets_group_tensors_in_backward_order_up_to_bucket_bytes():
+    buckets = schedule(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, world_size=2)
+    assert [(b.members, b.shard_at, b.gather_at, b.first_use) for b in buckets] == [(("W2", "W1"), 3, 6, 6)]
+    # W2 at byte 0, W1 at byte 256 (aligned): 296 bytes, 148 per rank
+    assert (buckets[0].nbytes, buckets[0].shard_nbytes, buckets[0].gathered_nbytes) == (80, 148, 296)
+    singles = schedule(SOUND[:2], MODEL, prefetch=0, bucket_bytes=79, world_size=2)
+    assert [b.members for b in singles] == [("W2",), ("W1",)]
+    after = MODEL.evaluate(buckets)
+    # both full copies end at the bucket's shard point (3); one shard lives to 6; one gathered buffer to W1's end (8)
+    assert after.live_bytes[4] == 100 + 148 + 40  # X, the shard, W3 (not sharded)
+    assert after.live_bytes[7] == 100 + 296 + 200

@@ -1,4 +1,4 @@
-"""Pass-level tests of the rewrite: where the shard and the gather land, padding, dels and the saved lists."""
+"""Pass-level tests of the rewrite: where the shards and the gathers land, buckets, dels and the saved lists."""
 
 import pytest
 from thunder.core import dtypes
@@ -7,7 +7,8 @@ from thunder.core.proxies import AnyProxy
 from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard import ops
-from thunder_fp8shard.rewrite import ShardRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.layout import bucket_layout
+from thunder_fp8shard.rewrite import BucketRequest, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved
 
 WORLD = 2
@@ -17,10 +18,16 @@ def _weight_copies(fw):
     return [p for p in forward_saved(fw)[0] if p.dtype == dtypes.float8_e4m3fn and p.shape[0] != 3]
 
 
-def _rewrite(fsdp_traces, prefetch):
+def _requests(fw, together: bool):
+    copies = _weight_copies(fw)
+    groups = [copies] if together else [[p] for p in copies]
+    return [BucketRequest(tuple(g), bucket_layout([p.numel for p in g], WORLD).shard_nbytes) for g in groups]
+
+
+def _rewrite(fsdp_traces, prefetch, together=False):
     fw, bw, group = fsdp_traces
-    requests = [ShardRequest(p, p.numel) for p in _weight_copies(fw)]
-    new_fw = rewrite_forward(fw, requests, group=group, world_size=WORLD, method="slice", verify=False, provenance="fwd test")
+    new_fw = rewrite_forward(fw, _requests(fw, together), group=group, world_size=WORLD, method="slice", verify=False,
+                             provenance="fwd test")
     new_bw, gathers = rewrite_backward(bw, new_fw, group=group, prefetch=prefetch, provenance="bwd test")
     return fw, bw, new_fw, new_bw, gathers
 
@@ -37,35 +44,42 @@ def _assert_no_use_after_del(trace):
             deleted |= _uses(b)
 
 
-def test_forward_saves_padded_uint8_shards_right_after_the_last_forward_use(fsdp_traces):
-    fw, _, new_fw, _, _ = _rewrite(fsdp_traces, prefetch=1)
+@pytest.mark.parametrize("together", [False, True])
+def test_forward_saves_one_uint8_shard_per_bucket_right_after_its_members_last_forward_use(fsdp_traces, together):
+    fw, _, new_fw, _, _ = _rewrite(fsdp_traces, prefetch=1, together=together)
     bsyms = new_fw.trace.bound_symbols
     assert new_fw.trace.get_provenance().pss == "fwd test"
+    assert len(new_fw.sharded) == (1 if together else 3)
     for s in new_fw.sharded:
-        at = next(i for i, b in enumerate(bsyms) if b.sym is ops.shard and b.flat_proxy_args[0].name == s.original.name)
-        # no use of the full tensor after the shard op except its del, and it is deleted
-        later = [b for b in bsyms[at + 1 :] if s.original.name in _uses(b)]
-        assert [b.sym.id for b in later] == [PrimIDs.DEL]
-        last_real_use = max(i for i, b in enumerate(bsyms[:at]) if s.original.name in _uses(b) and b.sym.id != PrimIDs.DEL)
+        names = {p.name for p in s.originals}
+        (at,) = [i for i, b in enumerate(bsyms) if b.sym is ops.shard and {p.name for p in b.flat_proxy_args} == names]
+        # no use of the full tensors after the shard op except their dels, and they are deleted
+        later = [b for b in bsyms[at + 1 :] if _uses(b) & names]
+        assert {b.sym.id for b in later} == {PrimIDs.DEL} and set().union(*map(_uses, later)) >= names
+        last_real_use = max(i for i, b in enumerate(bsyms[:at]) if _uses(b) & names and b.sym.id != PrimIDs.DEL)
         assert all(b.sym.id == PrimIDs.DEL for b in bsyms[last_real_use + 1 : at])
-        # a flat uint8 shard of ceil(numel / world) bytes: the (7, 45) weight (315 B) is padded to 2 x 158
-        assert s.shard.dtype == dtypes.uint8 and s.shard.shape == (-(-s.original.numel // WORLD),)
-    assert {s.shard.shape for s in new_fw.sharded} == {(768,), (1440,), (158,)}
+        lay = bucket_layout([p.numel for p in s.originals], WORLD)
+        assert s.shard.dtype == dtypes.uint8 and s.shard.shape == (lay.shard_nbytes,)
+    if together:  # (64, 24), (45, 64), (7, 45) at bytes 0, 1536, 4608 (aligned up from 4416): 4923 B -> 2462 per rank
+        assert new_fw.sharded[0].shard.shape == (2462,)
+    else:  # the (7, 45) weight (315 B) is padded to 2 x 158
+        assert {s.shard.shape for s in new_fw.sharded} == {(768,), (1440,), (158,)}
     saved_tensors, saved_other = forward_saved(new_fw.trace)
     names = {p.name for p in saved_tensors}
-    assert all(s.shard.name in names and s.original.name not in names for s in new_fw.sharded)
+    assert all(s.shard.name in names and not {p.name for p in s.originals} & names for s in new_fw.sharded)
     assert [p.name for p in saved_other] == [s.restorer.name for s in new_fw.sharded]
     assert all(isinstance(p, AnyProxy) for p in saved_other)
     _assert_no_use_after_del(new_fw.trace)
 
 
-def test_saved_lists_keep_their_positional_contract(fsdp_traces):
-    fw, _, new_fw, new_bw, _ = _rewrite(fsdp_traces, prefetch=1)
+@pytest.mark.parametrize("together", [False, True])
+def test_saved_lists_keep_their_positional_contract(fsdp_traces, together):
+    fw, _, new_fw, new_bw, _ = _rewrite(fsdp_traces, prefetch=1, together=together)
     fw_t, fw_o = forward_saved(new_fw.trace)
     bw_t, bw_o = backward_saved(new_bw)
     assert [p.name for p in fw_t] == [p.name for p in bw_t]
     assert [p.name for p in fw_o] == [p.name for p in bw_o]
-    assert len(fw_t) == len(forward_saved(fw)[0])
+    assert len(fw_t) == len(forward_saved(fw)[0]) - sum(len(s.originals) - 1 for s in new_fw.sharded)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -76,9 +90,9 @@ def test_backward_waits_just_before_the_first_consumer_and_gathers_prefetch_ahea
     assert len(waits) == len(gathers) == 3
     consumers = []
     for w in waits:
-        restored = bsyms[w].output.name
-        assert bsyms[w].output.dtype == dtypes.float8_e4m3fn  # original shape and dtype come back
-        first = next(i for i, b in enumerate(bsyms) if restored in _uses(b))
+        (restored,) = bsyms[w].flat_proxy_outs
+        assert restored.dtype == dtypes.float8_e4m3fn  # original shape and dtype come back
+        first = next(i for i, b in enumerate(bsyms) if restored.name in _uses(b))
         assert first > w and all(b.sym.id == PrimIDs.DEL or b.sym in (ops.gather_start, ops.gather_wait) for b in bsyms[w + 1 : first])
         consumers.append(first)
     # the j-th gather is issued before the consumer of the (j - prefetch)-th, or at the top of the backward
@@ -95,3 +109,16 @@ def test_backward_waits_just_before_the_first_consumer_and_gathers_prefetch_ahea
     assert sum(b.sym is clear_mutable_collection for b in bsyms) >= 3  # saved lists and cotangents are cleared
     _assert_no_use_after_del(new_bw)
     assert new_bw.get_provenance().pss == "bwd test"
+
+
+def test_a_bucket_is_gathered_once_and_restores_all_its_members_before_the_first_of_them_is_used(fsdp_traces):
+    _, _, new_fw, new_bw, gathers = _rewrite(fsdp_traces, prefetch=1, together=True)
+    bsyms = new_bw.bound_symbols
+    (w,) = [i for i, b in enumerate(bsyms) if b.sym is ops.gather_wait]
+    assert len(gathers) == 1 and gathers[0] < w
+    restored = {p.name for p in bsyms[w].flat_proxy_outs}
+    assert restored == {p.name for p in new_fw.sharded[0].originals}
+    first = min(i for i, b in enumerate(bsyms) if _uses(b) & restored)
+    assert w < first and all(b.sym.id == PrimIDs.DEL for b in bsyms[w + 1 : first])
+    assert str(bsyms[w].output[0].name) in str(new_bw)  # the tuple-returning wait prints and runs as Python
+    _assert_no_use_after_del(new_bw)

@@ -3,7 +3,7 @@
 The joint program is the forward trace's bound symbols followed by the backward trace's, one ``Step`` each.
 ``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
 into storages (connected components of view edges) and gives each one interval of steps; ``timeline`` sums the
-live bytes per step; ``with_sharding`` models what sharding a saved tensor does to the lives, so a planner can
+live bytes per step; ``with_sharding`` models what sharding groups of saved tensors does to the lives, so a planner can
 compare choices before any trace is rewritten. Nothing here mutates a trace.
 
 Model (what counts, and for how long):
@@ -72,14 +72,17 @@ class Life:
 
 
 @dataclass(frozen=True)
-class ShardedLife:
-    """What the sharding pass does to one saved storage (the indices are steps of the unmodified program)."""
+class ShardedGroup:
+    """What the sharding pass does to a group of saved storages sharded together (a bucket; the indices are steps
+    of the unmodified program)."""
 
-    name: str  # Life name of the saved tensor being sharded
+    name: str  # e.g. "bucket3"
+    lives: tuple[str, ...]  # Life names of the saved storages being sharded
     shard_nbytes: int  # bytes of the 1/N shard kept between forward and backward
-    shard_at: int  # step after which the full tensor is replaced by its shard (its last forward use)
-    gather_at: int  # step where the all-gather is issued in backward (a full-size buffer is allocated here)
-    first_use: int  # first backward consumer (the wait is just before it)
+    gathered_nbytes: int  # bytes of the all-gathered buffer, which the restored tensors are views of
+    shard_at: int  # step after which the full storages are replaced by the shard (their last forward use)
+    gather_at: int  # step where the all-gather is issued in backward (the full buffer is allocated here)
+    first_use: int  # first backward consumer of any member (the wait is just before it)
 
 
 @dataclass(frozen=True)
@@ -299,21 +302,25 @@ def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
 
 
 def with_sharding(
-    lives: Mapping[str, Life], steps: tuple[Step, ...], sharded: Mapping[str, ShardedLife]
+    lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedGroup]
 ) -> dict[str, Life]:
-    """The lives after sharding: each sharded storage becomes three lives.
-
-    The full storage keeps its name and lives [start, shard_at]; ``"<name>.shard"`` (``shard_nbytes``) lives
-    [shard_at, first_use]; ``"<name>.gathered"`` (full size, the original members, whose backward uses it
-    serves) lives [gather_at, original end]. Raises ``ValueError`` for an order that the pass cannot produce.
+    """The lives after sharding: each group's storages end at ``shard_at``; ``"<group>.shard"``
+    (``shard_nbytes``) lives [shard_at, first_use]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all
+    its storages, whose backward uses it serves) lives [gather_at, the last end of its storages]. Raises
+    ``ValueError`` for an order that the pass cannot produce.
     """
     out = dict(lives)
-    for name, s in sharded.items():
-        life = lives[name]
+    for s in groups:
+        members = [lives[n] for n in s.lives]
         in_fw, in_bw = steps[s.shard_at].phase == "forward", steps[s.gather_at].phase == "backward"
-        if not (in_fw and in_bw and life.start <= s.shard_at < s.gather_at <= s.first_use <= life.end):
-            raise ValueError(f"cannot shard {name} (lives [{life.start}, {life.end}]) as {s}")
-        out[name] = replace(life, end=s.shard_at)
-        out[f"{name}.shard"] = Life(f"{name}.shard", (), s.shard_nbytes, s.shard_at, s.first_use)
-        out[f"{name}.gathered"] = Life(f"{name}.gathered", life.members, life.nbytes, s.gather_at, life.end)
+        ok = in_fw and in_bw and s.shard_at < s.gather_at <= s.first_use
+        if not (ok and members and all(m.start <= s.shard_at and s.first_use <= m.end for m in members)):
+            spans = ", ".join(f"{m.name} [{m.start}, {m.end}]" for m in members)
+            raise ValueError(f"cannot shard {spans} as {s}")
+        for m in members:
+            out[m.name] = replace(m, end=s.shard_at)
+        out[f"{s.name}.shard"] = Life(f"{s.name}.shard", (), s.shard_nbytes, s.shard_at, s.first_use)
+        everyone = tuple(n for m in members for n in m.members)
+        out[f"{s.name}.gathered"] = Life(f"{s.name}.gathered", everyone, s.gathered_nbytes, s.gather_at,
+                                         max(m.end for m in members))
     return out

@@ -1,18 +1,21 @@
-"""Run-time operators the rewrite inserts: small Thunder operators (meta + Python implementation).
+"""Run-time operators the rewrite inserts: small Thunder operators (meta + Python implementation), one call per bucket.
 
-Forward:  ``shard, restorer = fp8shard_shard(t, group, world_size, method, verify, name)``
+Forward:  ``shard, restorer = fp8shard_shard((t1, ..., tk), group, world_size, shard_nbytes, method, verify, names)``
 Backward: ``handle = fp8shard_gather_start(shard, group)`` (issues the all-gather) and later
-          ``t = fp8shard_gather_wait(handle, restorer)`` (waits, rebuilds the original object).
+          ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view of the gathered
+          buffer, see :mod:`thunder_fp8shard.layout`).
 
-Shards are flat ``uint8`` tensors of ``ceil(payload_bytes / world_size)`` bytes: the last ranks' shards are zero
-padded, and the gather slices the padding off, so no byte is ever dropped. Bytes travel as ``uint8`` because gloo
-refuses float8 collectives. The executor below is never passed to ``thunder.jit``: operators inserted after
-``transform_for_execution`` run through their bound symbols' call context.
+Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives); the gathered
+buffer is the bucket's layout padded to a multiple of the world size, so no byte is ever dropped. While a profiler
+runs, each operator runs under a ``record_function`` range named after it. The executor below is never passed to
+``thunder.jit``: operators inserted after ``transform_for_execution`` run through their bound symbols' call context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -22,49 +25,85 @@ from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.extend import OperatorExecutor
 
 from thunder_fp8shard import payload
+from thunder_fp8shard.layout import BucketLayout, bucket_layout
 
 executor = OperatorExecutor("fp8shard")
 
 
-def shard_numel(payload_bytes: int, world_size: int) -> int:
-    """Bytes of one rank's shard of a ``payload_bytes`` payload (the payload padded to a multiple of the world size)."""
-    return -(-payload_bytes // world_size)
+def _annotate(name: str):
+    """A profiler range named ``name`` while ``torch.profiler`` records, else nothing: the operators run hundreds of
+    times a step on a CPU-bound training loop, and an idle ``record_function`` costs as much as a small kernel launch."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
-# ---- forward: keep 1/N of a replicated payload -------------------------------------------------------------------
+@dataclass
+class Restorer:
+    """What, besides the gathered bytes, rebuilds a bucket's members (kept whole on every rank). Used once: the
+    wait takes the members out, so that nothing here keeps a restored object, and through it the gathered buffer,
+    alive (Thunder's autograd context holds the saved non-tensors until the whole backward is done)."""
+
+    members: tuple[payload.Member, ...]
+    layout: BucketLayout
+
+    def take(self) -> tuple[payload.Member, ...]:
+        members, self.members = self.members, ()
+        if not members:
+            raise RuntimeError("ShardIntermediates: a sharded bucket was restored twice (backward run twice?)")
+        return members
 
 
-def _shard_meta(t, group, world_size: int, payload_bytes: int, method: str, verify: bool, name: str):
-    shard = TensorProxy(like=t, shape=(shard_numel(payload_bytes, world_size),), dtype=dtypes.uint8, requires_grad=False)
-    return shard, AnyProxy(payload.Restorer("", 0, None), prefix="restore")  # the object only names the type
+# ---- forward: keep 1/N of a bucket of replicated payloads ---------------------------------------------------------
 
 
-def _shard_impl(t, group, world_size: int, payload_bytes: int, method: str, verify: bool, name: str):
-    flat, restorer = payload.to_bytes(t)
-    if verify:
-        check_identical_across_ranks(flat, group, name)
-    size = shard_numel(flat.numel(), world_size)
-    if method == "reduce_scatter":
-        padded = torch.nn.functional.pad(flat, (0, size * world_size - flat.numel()))
-        shard = torch.empty(size, dtype=torch.uint8, device=flat.device)
-        # identical replicas: MAX of equal bytes is those bytes
-        dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.MAX, group=group)
-        return shard, restorer
-    rank = dist.get_rank(group)
-    piece = flat[rank * size : (rank + 1) * size]
-    shard = torch.zeros(size, dtype=torch.uint8, device=flat.device)  # a fresh allocation: the full copy can be freed
-    shard[: piece.numel()].copy_(piece)
-    return shard, restorer
+def _shard_meta(objs, group, world_size: int, shard_nbytes: int, method: str, verify: bool, names):
+    shard = TensorProxy(like=objs[0], shape=(shard_nbytes,), dtype=dtypes.uint8, requires_grad=False)
+    return shard, AnyProxy(Restorer((), bucket_layout((), 1)), prefix="restore")  # the object only names the type
+
+
+def _shard_impl(objs, group, world_size: int, shard_nbytes: int, method: str, verify: bool, names):
+    with _annotate("fp8shard_shard"):
+        buffers, members = [], []
+        for obj, name in zip(objs, names):
+            member_buffers, member = payload.take(obj)
+            if verify:
+                check_identical_across_ranks([payload.as_bytes(b) for b in member_buffers], group, name)
+            buffers += member_buffers
+            members.append(member)
+        layout = bucket_layout([payload.nbytes(b) for b in buffers], world_size)
+        device = buffers[0].device
+        if method == "reduce_scatter":
+            full = torch.zeros(layout.gathered_nbytes, dtype=torch.uint8, device=device)
+            for b, off, size in zip(buffers, layout.offsets, layout.sizes):
+                full[off : off + size].copy_(payload.as_bytes(b))
+            shard = torch.empty(layout.shard_nbytes, dtype=torch.uint8, device=device)
+            # identical replicas: MAX of equal bytes is those bytes
+            dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.MAX, group=group)
+            return shard, Restorer(tuple(members), layout)
+        # only the bytes this rank keeps are read; the copy is a fresh allocation, so the full buffers are freed
+        # once the forward drops them
+        pieces = layout.pieces(dist.get_rank(group))
+        if len(pieces) == 1 and pieces[0][3] == 0 and pieces[0][2] - pieces[0][1] == layout.shard_nbytes:
+            k, start, stop, _ = pieces[0]  # the common case: the shard is one slice of one buffer
+            shard = payload.as_bytes(buffers[k])[start:stop].clone()
+        else:  # several buffers, or the padded tail (padding and alignment gaps stay uninitialized)
+            shard = torch.empty(layout.shard_nbytes, dtype=torch.uint8, device=device)
+            for k, start, stop, at in pieces:
+                shard[at : at + stop - start].copy_(payload.as_bytes(buffers[k])[start:stop])
+        return shard, Restorer(tuple(members), layout)
 
 
 shard = executor.register_operator("fp8shard_shard", meta=_shard_meta, fn=_shard_impl)
 
 
-def check_identical_across_ranks(flat: torch.Tensor, group, name: str) -> None:
+def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) -> None:
     """Raises on every rank if the ranks' payloads differ (all-gathers a SHA-256 digest of each rank's bytes)."""
-    digest = hashlib.sha256(flat.detach().cpu().numpy().tobytes()).digest()
-    mine = torch.tensor(list(digest), dtype=torch.uint8, device=flat.device)
-    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.uint8, device=flat.device)
+    h = hashlib.sha256()
+    for flat in flats:
+        h.update(flat.detach().cpu().numpy().tobytes())
+    mine = torch.tensor(list(h.digest()), dtype=torch.uint8, device=flats[0].device)
+    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.uint8, device=mine.device)
     dist.all_gather_into_tensor(everyone, mine, group=group)
     digests = everyone.view(-1, mine.numel())
     differing = [r for r in range(digests.shape[0]) if not torch.equal(digests[r], digests[0])]
@@ -79,10 +118,6 @@ def check_identical_across_ranks(flat: torch.Tensor, group, name: str) -> None:
 # ---- backward: all-gather the shards and rebuild ------------------------------------------------------------------
 
 
-def _gather_start_meta(shard, group):
-    return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
-
-
 class GatherHandle(NamedTuple):
     """An all-gather in flight: its work handle and the buffer it fills."""
 
@@ -90,21 +125,36 @@ class GatherHandle(NamedTuple):
     buffer: torch.Tensor
 
 
+def _gather_start_meta(shard, group):
+    return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
+
+
 def _gather_start_impl(shard: torch.Tensor, group) -> GatherHandle:
-    out = torch.empty(shard.numel() * dist.get_world_size(group), dtype=torch.uint8, device=shard.device)
-    return GatherHandle(dist.all_gather_into_tensor(out, shard, group=group, async_op=True), out)
+    with _annotate("fp8shard_gather_start"):
+        out = torch.empty(shard.numel() * dist.get_world_size(group), dtype=torch.uint8, device=shard.device)
+        return GatherHandle(dist.all_gather_into_tensor(out, shard, group=group, async_op=True), out)
 
 
 gather_start = executor.register_operator("fp8shard_gather_start", meta=_gather_start_meta, fn=_gather_start_impl)
 
 
 def _gather_wait_meta(handle, restorer):
-    raise NotImplementedError("fp8shard_gather_wait is bound by the rewrite with the restored proxy as its output")
+    raise NotImplementedError("fp8shard_gather_wait is bound by the rewrite with the restored proxies as its outputs")
 
 
-def _gather_wait_impl(handle: GatherHandle, restorer: payload.Restorer):
-    handle.work.wait()
-    return payload.from_bytes(handle.buffer, restorer)
+def _gather_wait_impl(handle: GatherHandle, restorer: Restorer) -> tuple:
+    with _annotate("fp8shard_gather_wait"):
+        handle.work.wait()
+        buf, layout = handle.buffer, restorer.layout
+        out, k = [], 0
+        for member in restorer.take():
+            views = []
+            for shape, dtype in member.buffers:
+                off = layout.offsets[k]
+                views.append(payload.from_bytes(buf[off : off + layout.sizes[k]], shape, dtype))
+                k += 1
+            out.append(payload.give(member, views))
+        return tuple(out)
 
 
 gather_wait = executor.register_operator("fp8shard_gather_wait", meta=_gather_wait_meta, fn=_gather_wait_impl)

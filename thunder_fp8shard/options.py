@@ -7,6 +7,7 @@ from dataclasses import dataclass
 CANDIDATE_KINDS = ("fp8", "all")
 SHARD_METHODS = ("slice", "reduce_scatter")
 POLICIES = ("all", "peak", "budget")
+COMMS = ("dedicated", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,16 @@ class ShardOptions:
     policy: ``"all"`` shards every sound candidate; ``"peak"`` only those that lower the predicted peak;
         ``"budget"`` shards the fewest bytes of all-gather traffic that bring the peak to ``budget_bytes``.
     budget_bytes: per-rank peak target for ``policy="budget"``.
-    prefetch: how many gathers ahead of its use each backward all-gather is issued. 0 issues it just before its
-        first consumer; k issues it when the k-th previous gathered tensor is consumed (at most k+1 in flight).
+    prefetch: how many buckets ahead of its use each backward all-gather is issued. 0 issues it just before its
+        first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
+    bucket_bytes: sharded tensors are grouped, in backward order, into buckets of at most this many payload bytes
+        (a bucket holds at least one tensor): one shard op in forward, one all-gather in backward per bucket, fewer
+        operators for the CPU to run. 0 (the default) gives one bucket per tensor: on the GPU, 256 MiB buckets cost
+        0.19 GB of the 3.18 GB saved on Llama-2-7b (more bytes gathered at once at the start of the backward).
+    comm: ``"fsdp"`` (the default) sends the shards over FSDP's process group; ``"dedicated"`` over a second group
+        with the same ranks (created once, at the first compilation), so the all-gathers run on their own NCCL
+        communicator and stream and cannot queue behind FSDP's gradient reduce-scatters (profiled on the GPU, they
+        did not: the backward's compute stream had no such waits).
     """
 
     candidates: str = "fp8"
@@ -33,6 +42,8 @@ class ShardOptions:
     policy: str = "all"
     budget_bytes: int | None = None
     prefetch: int = 1
+    bucket_bytes: int = 0
+    comm: str = "fsdp"
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
@@ -40,6 +51,8 @@ class ShardOptions:
         _one_of("policy", self.policy, POLICIES)
         _non_negative_int("min_bytes", self.min_bytes)
         _non_negative_int("prefetch", self.prefetch)
+        _non_negative_int("bucket_bytes", self.bucket_bytes)
+        _one_of("comm", self.comm, COMMS)
         if not isinstance(self.verify, bool):
             raise TypeError(f"ShardIntermediates: verify must be a bool, got {self.verify!r}")
         if self.policy == "budget":

@@ -1,10 +1,14 @@
-"""Run-time payloads: the bytes of a saved tensor that are sharded, and how to rebuild the tensor from them.
+"""Run-time payloads: which buffers of a saved object are sharded, and how the object gets them back.
 
-A payload kind turns a saved object into one flat ``uint8`` buffer (the large part, sharded across ranks) and a
-``Restorer`` (the small part: shape, dtype, scales, quantizer; kept whole on every rank), and back. Plain tensors of
-any dtype (float8 included) are one kind; TransformerEngine's quantized tensors are another
-(:mod:`thunder_fp8shard.payload_te`). Register further kinds (MXFP8, blockwise) with :func:`register_payload_kind`;
-the pass itself does not change.
+A payload kind ``take``\\ s an object apart into its large buffers (sharded across ranks; any dtype, made contiguous)
+and a small restore state (kept whole on every rank), and ``give``\\ s the object back from views of the gathered
+bytes with the buffers' shapes and dtypes. After ``take`` nothing that the pass keeps references the large
+buffers, so they are freed as soon as the forward trace drops the object.
+
+Plain tensors of any dtype (float8 included) are one kind: the tensor itself is its buffer, and it comes back as a
+view. TransformerEngine's quantized tensors are another (:mod:`thunder_fp8shard.payload_te`): the object itself is
+kept, without its data buffers, and gets views back; nothing is constructed in backward. Register further kinds with
+:func:`register_payload_kind`; the pass itself does not change.
 """
 
 from __future__ import annotations
@@ -15,42 +19,41 @@ from typing import Any, Protocol
 import torch
 
 
-@dataclass(frozen=True)
-class Restorer:
-    """What, besides the gathered bytes, rebuilds a saved object: ``kind`` names the payload kind that made it."""
-
-    kind: str
-    nbytes: int  # unpadded length of the flat payload
-    state: Any  # kind-specific: shape and dtype for plain tensors, metadata for quantized tensors
-
-
 class PayloadKind(Protocol):
     name: str
 
     def matches(self, obj: Any) -> bool: ...
 
-    def to_bytes(self, obj: Any) -> tuple[torch.Tensor, Any]:
-        """A flat, contiguous ``uint8`` tensor (may be a view of ``obj``) and the kind-specific restore state."""
+    def take(self, obj: Any) -> tuple[list[torch.Tensor], Any]:
+        """The object's large buffers, and the state that rebuilds it from them; ``obj`` must not be used after."""
 
-    def from_bytes(self, flat: torch.Tensor, state: Any) -> Any:
-        """The object rebuilt from its full flat payload (exactly ``nbytes`` long) and its restore state."""
+    def give(self, state: Any, buffers: list[torch.Tensor]) -> Any:
+        """The object rebuilt from ``state`` and tensors equal to the buffers ``take`` returned (same shapes and
+        dtypes, contiguous)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One saved object of a bucket, taken apart: its kind, its restore state, and its buffers' shapes and dtypes."""
+
+    kind: str
+    state: Any
+    buffers: tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
 
 class PlainTensorPayload:
-    """A dense, contiguous-able torch tensor: its bytes, reinterpreted as ``uint8`` (no copy when contiguous)."""
+    """A dense torch tensor: its own (contiguous) bytes; it comes back as a contiguous view of the same shape."""
 
     name = "tensor"
 
     def matches(self, obj: Any) -> bool:
         return type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter
 
-    def to_bytes(self, obj: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        flat = obj.contiguous().reshape(-1).view(torch.uint8)
-        return flat, (tuple(obj.shape), obj.dtype)
+    def take(self, obj: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+        return [obj], None
 
-    def from_bytes(self, flat: torch.Tensor, state: Any) -> torch.Tensor:
-        shape, dtype = state
-        return flat.view(dtype).reshape(shape)
+    def give(self, state: Any, buffers: list[torch.Tensor]) -> torch.Tensor:
+        return buffers[0]
 
 
 _KINDS: list[PayloadKind] = [PlainTensorPayload()]
@@ -63,21 +66,38 @@ def register_payload_kind(kind: PayloadKind) -> None:
     _BY_NAME[kind.name] = kind
 
 
-def to_bytes(obj: Any) -> tuple[torch.Tensor, Restorer]:
+def take(obj: Any) -> tuple[list[torch.Tensor], Member]:
+    """The large buffers of ``obj`` and the :class:`Member` that rebuilds it (see :func:`give`). The payload is each
+    buffer's bytes in contiguous order (:func:`as_bytes`)."""
     for kind in _KINDS:
         if kind.matches(obj):
-            flat, state = kind.to_bytes(obj)
-            if flat.dtype != torch.uint8 or flat.dim() != 1:
-                raise TypeError(f"payload kind {kind.name!r} returned {flat.dtype} of shape {tuple(flat.shape)}")
-            return flat, Restorer(kind.name, flat.numel(), state)
+            buffers, state = kind.take(obj)
+            return buffers, Member(kind.name, state, tuple((tuple(b.shape), b.dtype) for b in buffers))
     raise TypeError(
         f"ShardIntermediates: no payload kind handles a saved object of type {type(obj).__qualname__}; "
         "register one with thunder_fp8shard.payload.register_payload_kind"
     )
 
 
-def from_bytes(flat: torch.Tensor, restorer: Restorer) -> Any:
-    return _BY_NAME[restorer.kind].from_bytes(flat[: restorer.nbytes], restorer.state)
+def give(member: Member, buffers: list[torch.Tensor]) -> Any:
+    return _BY_NAME[member.kind].give(member.state, buffers)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, in contiguous order, as a flat ``uint8`` tensor (a view when ``t`` is contiguous)."""
+    t = t.contiguous()
+    if t.dim() != 1:
+        t = t.view(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def from_bytes(flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A view of ``flat`` (``uint8``, suitably aligned) as a contiguous tensor of ``shape`` and ``dtype``."""
+    return (flat if dtype == torch.uint8 else flat.view(dtype)).view(shape)
 
 
 try:  # TransformerEngine's quantized tensors exist only where TransformerEngine is installed

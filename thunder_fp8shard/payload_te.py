@@ -1,59 +1,30 @@
 """Payload kinds for TransformerEngine's quantized tensors (imported by :mod:`thunder_fp8shard.payload` when TE exists).
 
-A TE quantized tensor is a wrapper around a few inner buffers. TE declares them on the storage class as
-``_INNER_TENSORS`` (``(attribute, constructor keyword)`` pairs, TE >= 2.x) and rebuilds an object from the buffers
-plus its non-tensor constructor keywords (``_flatten_nontensor_kwargs()``: quantizer, fp8 dtype, fake dtype, ...).
-This module uses exactly that contract:
+A TE quantized tensor is a wrapper around a few inner buffers, which TE declares on the storage class as
+``_INNER_TENSORS`` (``(attribute, constructor keyword)`` pairs, TE >= 2.x). This kind uses exactly that contract:
 
-* the *large* buffers that are present (for ``Float8Tensor``: ``_data`` and/or ``_transpose``, uint8, one byte per
-  element) are concatenated, flat, into the payload that the pass shards;
-* everything else (the small ``_scale_inv`` kept whole and by reference, exactly as the unsharded saved tensor holds
-  it; the quantizer, fp8 dtype, fake dtype, shape; which buffers were present, their shapes, dtypes and offsets) goes
-  into the restore state, which every rank keeps;
-* ``from_bytes`` cuts the gathered payload back into the buffers (views, no copy) and calls the same TE class's
-  constructor with the same keywords.
+* ``take`` hands over the *large* buffers that are present (for ``Float8Tensor``: ``_data`` and/or ``_transpose``,
+  uint8, one byte per element) and sets those attributes to ``None``. The object itself, with its small
+  ``_scale_inv``, its quantizer, dtypes and flags untouched, is the restore state that every rank keeps.
+* ``give`` puts the views of the gathered bytes back into the same attributes and returns the same object. Nothing
+  is constructed in backward, and the backward sees the object exactly as the forward left it.
 
 Another TE storage type is one more subclass of :class:`_TEQuantizedPayload` naming its storage class and its large
-constructor keywords, plus one line in :data:`_KIND_SPECS`; the pass does not change. ``MXFP8Tensor`` and
-``Float8BlockwiseQTensor`` are declared below; only ``Float8Tensor`` (DelayedScaling) has run through the pass on the
-GPU so far (MXFP8 needs compute capability 10, and Thunder's TE executor emits only Float8Tensor on Hopper).
+constructor keywords; the pass does not change. ``MXFP8Tensor`` and ``Float8BlockwiseQTensor`` are declared below;
+only ``Float8Tensor`` (DelayedScaling) has run through the pass on the GPU so far (MXFP8 needs compute capability 10,
+and Thunder's TE executor emits only Float8Tensor on Hopper).
 
 Importing this module raises ``ImportError`` when TransformerEngine is not installed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import transformer_engine.pytorch.tensor.float8_tensor as _te_float8  # noqa: F401  (ImportError without TE)
 from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
-
-
-@dataclass(frozen=True)
-class BufferSlot:
-    """One large inner buffer inside the flat payload."""
-
-    kwarg: str  # the TE constructor keyword it is passed back as (e.g. "data_transpose")
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int  # byte offset in the flat payload
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class TEState:
-    """Restore state of a TE quantized tensor: everything except the bytes of its large buffers."""
-
-    cls: type
-    is_wrapper: bool  # a torch.Tensor subclass (Float8Tensor) rather than a bare storage (Float8TensorStorage)
-    shape: tuple[int, ...]  # the logical (high-precision) shape; wrappers only
-    requires_grad: bool
-    device: torch.device
-    slots: tuple[BufferSlot, ...]  # large buffers present, in payload order
-    kwargs: dict[str, Any]  # every other constructor keyword: small tensors (by reference), quantizer, dtypes, None's
 
 
 def inner_buffers(obj: Any) -> list[tuple[str, str, torch.Tensor | None]]:
@@ -66,56 +37,29 @@ class _TEQuantizedPayload:
 
     name: str = ""
     storage_cls: type = object
-    large_kwargs: tuple[str, ...] = ()  # constructor keywords of the buffers that go (flat) into the payload
+    large_kwargs: tuple[str, ...] = ()  # constructor keywords of the buffers that are sharded
 
     def matches(self, obj: Any) -> bool:
         return isinstance(obj, self.storage_cls)
 
-    def to_bytes(self, obj: Any) -> tuple[torch.Tensor, TEState]:
-        cls = type(obj)
-        kwargs = dict(obj._flatten_nontensor_kwargs())
-        pieces: list[torch.Tensor] = []
-        slots: list[BufferSlot] = []
-        offset = 0
-        device = None
-        for _attr, kw, t in inner_buffers(obj):
-            if t is not None and device is None:
-                device = t.device
-            if kw in self.large_kwargs and t is not None:
-                flat = t.contiguous().reshape(-1).view(torch.uint8)
-                slots.append(BufferSlot(kw, tuple(t.shape), t.dtype, offset, flat.numel()))
-                pieces.append(flat)
-                offset += flat.numel()
-            else:
-                kwargs[kw] = t  # small buffer (scale_inv) kept whole, by reference; or None
-        if not pieces:
-            raise ValueError(f"{cls.__qualname__} holds none of its large buffers {self.large_kwargs}: nothing to shard")
-        is_wrapper = isinstance(obj, torch.Tensor)
-        if device is None:
-            device = obj.device
-        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        state = TEState(
-            cls=cls, is_wrapper=is_wrapper, shape=tuple(obj.shape) if is_wrapper else (),
-            requires_grad=bool(obj.requires_grad) if is_wrapper else False, device=device,
-            slots=tuple(slots), kwargs=kwargs,
-        )
-        return flat, state
+    def take(self, obj: Any) -> tuple[list[torch.Tensor], tuple[Any, tuple[str, ...]]]:
+        present = [(attr, t) for attr, kw, t in inner_buffers(obj) if kw in self.large_kwargs and t is not None]
+        if not present:
+            raise ValueError(f"{type(obj).__qualname__} holds none of its large buffers {self.large_kwargs}: nothing to shard")
+        for attr, _ in present:
+            setattr(obj, attr, None)
+        return [t for _, t in present], (obj, tuple(attr for attr, _ in present))
 
-    def from_bytes(self, flat: torch.Tensor, state: TEState) -> Any:
-        kwargs = dict(state.kwargs)
-        for s in state.slots:
-            kwargs[s.kwarg] = flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
-        if not state.is_wrapper:
-            return state.cls(**kwargs)
-        return state.cls(
-            shape=state.shape, dtype=kwargs.get("fake_dtype"), requires_grad=state.requires_grad,
-            device=state.device, **kwargs,
-        )
+    def give(self, state: tuple[Any, tuple[str, ...]], buffers: list[torch.Tensor]) -> Any:
+        obj, attrs = state
+        for attr, t in zip(attrs, buffers):
+            setattr(obj, attr, t)
+        return obj
 
 
 class TransformerEnginePayload(_TEQuantizedPayload):
     """TE ``Float8Tensor`` / ``Float8TensorStorage`` (DelayedScaling and current scaling): ``_data`` and
-    ``_transpose`` (uint8) are the payload; ``_scale_inv`` (fp32[1]) stays whole."""
+    ``_transpose`` (uint8) are the payload; ``_scale_inv`` (fp32[1]) stays with the object."""
 
     name = "te_float8"
     storage_cls = Float8TensorStorage

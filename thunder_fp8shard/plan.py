@@ -31,6 +31,21 @@ class Decision:
         return self.nbytes - self.shard_nbytes if self.sharded else 0
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Sharded tensors kept as one shard and all-gathered back as one buffer. Steps are those of the unmodified
+    joint program (see :mod:`thunder_fp8shard.liveness`); byte counts are per rank."""
+
+    index: int
+    members: tuple[str, ...]  # in order of first backward use
+    nbytes: int  # the members' payload bytes
+    shard_nbytes: int  # bytes this rank keeps (the layout, alignment included, over the world size)
+    gathered_nbytes: int  # bytes of the all-gathered buffer
+    shard_at: int  # the last forward use of any member; the shard is taken right after
+    gather_at: int  # where its all-gather is issued
+    first_use: int  # the first backward use of any member; the wait is right before
+
+
 @dataclass
 class ShardPlan:
     """What the pass did to one compiled cache entry (forward trace + backward trace)."""
@@ -46,8 +61,16 @@ class ShardPlan:
     peak_bytes_after: int | None = None
     timeline_before: Timeline | None = None
     timeline_after: Timeline | None = None
-    gather_steps: tuple[int, ...] = ()  # timeline steps where the backward all-gathers are issued
+    buckets: list[Bucket] = field(default_factory=list)
+    bucket_bytes: int = 0
+    comm: str = ""  # the process group the shards travel on: "dedicated" or "fsdp"
+    pass_seconds: float = 0.0  # wall time of both hooks of the pass (analysis, plan, rewrite) for this entry
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def gather_steps(self) -> tuple[int, ...]:
+        """Timeline steps where the backward all-gathers are issued."""
+        return tuple(sorted(b.gather_at for b in self.buckets))
 
     @property
     def sharded(self) -> list[Decision]:
@@ -70,7 +93,10 @@ class ShardPlan:
         fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         lines = [
             f"ShardIntermediates plan: world size {self.world_size}, method {self.method}, policy {self.policy}, "
-            f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded",
+            f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
+            + (f"in {len(self.buckets)} bucket(s) of at most {_fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes
+               else "one tensor a bucket")
+            + f", on the {self.comm} process group; the pass took {self.pass_seconds:.2f} s",
             fmt(header),
             *(fmt(r) for r in rows),
             f"saved for backward per rank: {_fmt_bytes(self.saved_bytes_before)} -> {_fmt_bytes(self.saved_bytes_after)}",

@@ -1,8 +1,9 @@
 """The planner: decides, for every candidate, whether to shard it, and says why. Pure functions over plain data.
 
 ``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage);
-``schedule`` places each sharded tensor's shard point, all-gather and first use on the joint timeline;
-``choose`` applies the policy (all sound candidates, only those lowering the predicted peak, or the least
+``schedule`` groups the sharded tensors into buckets (consecutive in backward order, at most ``bucket_bytes`` each:
+one shard, one all-gather per bucket) and places each bucket's shard point, all-gather and first use on the joint
+timeline; ``choose`` applies the policy (all sound candidates, only those lowering the predicted peak, or the least
 all-gather traffic meeting a byte budget) by evaluating the memory model of :mod:`thunder_fp8shard.liveness`.
 """
 
@@ -14,13 +15,13 @@ import numpy as np
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.candidates import Candidate
+from thunder_fp8shard.layout import bucket_layout
 from thunder_fp8shard.liveness import (
-    Life, ShardedLife, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives, timeline, uses,
+    Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives, timeline, uses,
     with_sharding,
 )
-from thunder_fp8shard.ops import shard_numel
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Decision
+from thunder_fp8shard.plan import Bucket, Decision
 from thunder_fp8shard.replication import Replication
 
 
@@ -46,12 +47,14 @@ class MemoryModel:
         """Compute steps strictly between two steps."""
         return sum(self.compute[first + 1 : last])
 
-    def evaluate(self, chosen: list[Decision], prefetch: int) -> tuple[Timeline, tuple[int, ...]]:
-        """The predicted timeline when ``chosen`` are sharded, and the steps where their gathers are issued."""
-        sharded = schedule(chosen, self.placements, prefetch, self.backward_body_start)
-        return timeline(with_sharding(self.lives, self.steps, sharded), self.steps), tuple(
-            sorted(s.gather_at for s in sharded.values())
-        )
+    def evaluate(self, buckets: list[Bucket]) -> Timeline:
+        """The predicted timeline when ``buckets`` (from :func:`schedule`) are sharded."""
+        return timeline(with_sharding(self.lives, self.steps, [self._group(b) for b in buckets]), self.steps)
+
+    def _group(self, b: Bucket) -> ShardedGroup:
+        lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
+        return ShardedGroup(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
+                            b.first_use)
 
     @property
     def backward_body_start(self) -> int:
@@ -85,49 +88,78 @@ def soundness(
     return decisions
 
 
-def schedule(chosen: list[Decision], placements: dict[str, Placement], prefetch: int, body_start: int):
-    """``ShardedLife`` per storage: gathers in order of first use, each issued at the first use of the gather
-    ``prefetch`` places earlier (or at the start of the backward), as :func:`thunder_fp8shard.rewrite.rewrite_backward`
-    places them."""
+def schedule(
+    chosen: list[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int
+) -> list[Bucket]:
+    """Buckets of the chosen tensors, as :mod:`thunder_fp8shard.rewrite` will build them.
+
+    Tensors are taken in order of first backward use; a bucket closes when the next tensor would take it past
+    ``bucket_bytes`` (a bucket holds at least one tensor). Its shard is taken after the last forward use of any
+    member; it is gathered before the first backward use of any member; its all-gather is issued at the first use
+    of the bucket ``prefetch`` places earlier (or at the start of the backward).
+    """
+    placements = model.placements
     order = sorted(chosen, key=lambda d: placements[d.name].first_use)
-    sharded = {}
-    for j, d in enumerate(order):
-        p = placements[d.name]
-        gather_at = placements[order[j - prefetch].name].first_use if j >= prefetch else body_start
-        sharded[p.life] = ShardedLife(p.life, d.shard_nbytes, p.shard_at, gather_at, p.first_use)
-    return sharded
+    groups: list[list[Decision]] = []
+    for d in order:
+        if groups and sum(m.nbytes for m in groups[-1]) + d.nbytes <= bucket_bytes:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    first_uses = [placements[g[0].name].first_use for g in groups]
+    buckets = []
+    for j, g in enumerate(groups):
+        layout = bucket_layout([d.nbytes for d in g], world_size)
+        buckets.append(Bucket(
+            index=j, members=tuple(d.name for d in g), nbytes=sum(d.nbytes for d in g),
+            shard_nbytes=layout.shard_nbytes, gathered_nbytes=layout.gathered_nbytes,
+            shard_at=max(placements[d.name].shard_at for d in g), first_use=first_uses[j],
+            gather_at=first_uses[j - prefetch] if j >= prefetch else model.backward_body_start,
+        ))
+    return buckets
 
 
-def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions) -> tuple[list[Decision], list[str]]:
-    """Applies the policy to the sound decisions; returns the final decisions and notes for the plan."""
+def choose(
+    sound: list[Decision], model: MemoryModel, options: ShardOptions, world_size: int
+) -> tuple[list[Decision], list[Bucket], list[str]]:
+    """Applies the policy to the sound decisions; returns the final decisions, their buckets and notes for the plan.
+
+    A tensor whose own all-gather (``prefetch`` tensors ahead) would come right after its shard is refused.
+    Policies ``peak`` and ``budget`` weigh each tensor on its own (its own shard and gather, as just placed); the
+    buckets are formed from what is kept, and the plan's prediction is made with those buckets.
+    """
     candidates = [d for d in sound if d.sharded]
     refused: dict[str, str] = {}
     notes: list[str] = []
-    planned = schedule(candidates, model.placements, options.prefetch, model.backward_body_start)
-    for d in candidates:
-        s = planned[model.placements[d.name].life]
-        if model.compute_steps_between(s.shard_at, s.gather_at) == 0:
-            refused[d.name] = "idle interval too short: its all-gather would be issued right after it is sharded"
+    sched = dict(prefetch=options.prefetch, world_size=world_size)
+    singles = schedule(candidates, model, bucket_bytes=0, **sched)
+    for b in singles:
+        if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
+            refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
     candidates = [d for d in candidates if d.name not in refused]
     if options.policy != "all":
         target = options.budget_bytes if options.policy == "budget" else None
-        notes = _greedy(candidates, model, planned, target, refused)
+        notes = _greedy(candidates, model, singles, target, refused)
     final = [d if d.name not in refused else replace(d, sharded=False, shard_nbytes=0, reason=refused[d.name]) for d in sound]
-    return final, notes
+    buckets = schedule([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes, **sched)
+    return final, buckets, notes
 
 
-def _greedy(candidates, model: MemoryModel, planned, target, refused) -> list[str]:
+def _greedy(candidates, model: MemoryModel, singles: list[Bucket], target, refused) -> list[str]:
     """Adds, one at a time, the candidate that lowers the predicted peak most per byte it will all-gather, until the
     peak stops falling (policy "peak") or reaches ``target`` (policy "budget"). Each candidate's effect is taken
-    with the gather placement of ``planned``; fills ``refused`` and returns notes for the plan."""
+    with its own gather placement in ``singles`` (one bucket per tensor); fills ``refused`` and returns notes."""
     steps = model.steps
     base = np.array(timeline(model.lives, steps).live_bytes, dtype=np.int64)
     deltas = {}
-    for d in candidates:
-        name = model.placements[d.name].life
-        alone = {name: model.lives[name]}
-        sharded = with_sharding(alone, steps, {name: planned[name]})
-        deltas[d.name] = _live_bytes(sharded.values(), len(steps)) - _live_bytes(alone.values(), len(steps))
+    for b in singles:
+        (name,) = b.members
+        if name in refused:
+            continue
+        group = model._group(b)
+        alone = {life: model.lives[life] for life in group.lives}
+        sharded = with_sharding(alone, steps, [group])
+        deltas[name] = _live_bytes(sharded.values(), len(steps)) - _live_bytes(alone.values(), len(steps))
     current, notes = base, []
     if target is not None and current.max() <= target:
         notes.append(f"the predicted peak {current.max():,} B is already within the budget {target:,} B")
@@ -166,7 +198,7 @@ def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | No
         name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
         kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
         reason=refused or f"identical on every rank; rank keeps 1/{world_size}",
-        shard_nbytes=shard_numel(c.payload_bytes, world_size) if refused is None else 0,
+        shard_nbytes=-(-c.payload_bytes // world_size) if refused is None else 0,
     )
 
 

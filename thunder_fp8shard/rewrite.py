@@ -1,4 +1,4 @@
-"""The mechanical rewrite: forward keeps 1/N shards in the saved list, backward all-gathers them back.
+"""The mechanical rewrite: forward keeps one 1/N shard per bucket in the saved list, backward all-gathers it back.
 
 Both functions return new traces (the inputs are not modified) with dels regenerated and a provenance line.
 """
@@ -23,18 +23,18 @@ from thunder_fp8shard.saved import backward_saved, forward_saved
 
 
 @dataclass(frozen=True)
-class ShardRequest:
-    """A saved tensor to shard: its proxy and its real payload size."""
+class BucketRequest:
+    """Saved tensors to shard together (one shard, one all-gather), and the bytes of this rank's shard."""
 
-    proxy: TensorProxy
-    payload_bytes: int
+    members: tuple[TensorProxy, ...]
+    shard_nbytes: int
 
 
 @dataclass(frozen=True)
-class ShardedSaved:
-    """What the forward hands to the backward for one sharded tensor."""
+class ShardedBucket:
+    """What the forward hands to the backward for one bucket."""
 
-    original: TensorProxy  # the proxy the backward consumes; the wait re-creates it
+    originals: tuple[TensorProxy, ...]  # the proxies the backward consumes; the wait re-creates them
     shard: TensorProxy  # what is saved instead (flat uint8)
     restorer: AnyProxy  # saved alongside, in the non-tensor list
 
@@ -42,33 +42,36 @@ class ShardedSaved:
 @dataclass(frozen=True)
 class ForwardRewrite:
     trace: TraceCtx
-    sharded: tuple[ShardedSaved, ...]
+    sharded: tuple[ShardedBucket, ...]
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
 
 
 def rewrite_forward(
-    fw: TraceCtx, requests: list[ShardRequest], *, group, world_size: int, method: str, verify: bool, provenance: str
+    fw: TraceCtx, buckets: list[BucketRequest], *, group, world_size: int, method: str, verify: bool, provenance: str
 ) -> ForwardRewrite:
-    """Inserts ``fp8shard_shard`` after each requested tensor's last forward use and saves the shard instead."""
+    """Inserts one ``fp8shard_shard`` per bucket after the last forward use of its members and saves the shard
+    instead of them."""
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    last_use = _last_forward_use(body, {r.proxy.name for r in requests})
+    last_use = _last_forward_use(body, {p.name for r in buckets for p in r.members})
     new = from_trace(fw)
     inserted_after: dict[int, list[BoundSymbol]] = {}
-    sharded: list[ShardedSaved] = []
+    sharded: list[ShardedBucket] = []
     with tracectx(new):
-        for r in requests:
+        for r in buckets:
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            shard, restorer = ops.shard(r.proxy, group, world_size, r.payload_bytes, method, verify, r.proxy.name)
+            names = tuple(p.name for p in r.members)
+            shard, restorer = ops.shard(r.members, group, world_size, r.shard_nbytes, method, verify, names)
             new.pop_scope()
-            inserted_after.setdefault(last_use[r.proxy.name], []).extend(scope)
-            sharded.append(ShardedSaved(r.proxy, shard, restorer))
+            inserted_after.setdefault(max(last_use[n] for n in names), []).extend(scope)
+            sharded.append(ShardedBucket(tuple(r.members), shard, restorer))
     new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
 
-    by_name = {s.original.name: s for s in sharded}
+    gone = {p.name for s in sharded for p in s.originals}
     saved_tensors, saved_other = forward_saved(fw)
     saved = (
-        *(by_name[p.name].shard if p.name in by_name else p for p in saved_tensors),
+        *(p for p in saved_tensors if p.name not in gone),
+        *(s.shard for s in sharded),
         *saved_other,
         *(s.restorer for s in sharded),
     )
@@ -81,14 +84,16 @@ def rewrite_forward(
 def rewrite_backward(
     bw: TraceCtx, handoff: ForwardRewrite, *, group, prefetch: int, provenance: str
 ) -> tuple[TraceCtx, list[int]]:
-    """Restores each sharded tensor before its first backward consumer.
+    """Restores each bucket before the first backward consumer of any of its members.
 
-    The wait (``fp8shard_gather_wait``) goes just before the first consumer; the all-gather is issued ``prefetch``
-    gathers earlier: right before the consumer of the ``prefetch``-th previous gathered tensor, or at the start of the
+    The wait (``fp8shard_gather_wait``) goes just before that consumer; the all-gather is issued ``prefetch``
+    buckets earlier: right before the first consumer of the ``prefetch``-th previous bucket, or at the start of the
     backward. Returns the new trace and, for each gather in issue order, its index among the new bound symbols.
     """
     saved_tensors, _ = backward_saved(bw)
-    if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)):
+    if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) + sum(
+        len(s.originals) - 1 for s in handoff.sharded
+    ):
         raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
     body = [
         b for b in bw.bound_symbols
@@ -96,8 +101,10 @@ def rewrite_backward(
                             PrimIDs.UNPACK_KEY)
         and b.sym is not clear_mutable_collection
     ]
-    first_use = _first_use(body, {s.original.name for s in handoff.sharded})
-    order = sorted((s for s in handoff.sharded if s.original.name in first_use), key=lambda s: first_use[s.original.name])
+    first_use = _first_use(body, {p.name for s in handoff.sharded for p in s.originals})
+    starts = {id(s): min((first_use[p.name] for p in s.originals if p.name in first_use), default=None)
+              for s in handoff.sharded}
+    order = sorted((s for s in handoff.sharded if starts[id(s)] is not None), key=lambda s: starts[id(s)])
     new = from_trace(bw)
     before: dict[int, list[BoundSymbol]] = {}
     with tracectx(new):
@@ -106,10 +113,10 @@ def rewrite_backward(
             new.push_scope(scope)
             handle = ops.gather_start(s.shard, group)
             new.pop_scope()
-            issue_at = first_use[order[j - prefetch].original.name] if j >= prefetch else 0
+            issue_at = starts[id(order[j - prefetch])] if j >= prefetch else 0
             before.setdefault(issue_at, []).extend(scope)
-            wait = ops.gather_wait.bind(handle, s.restorer, output=s.original)
-            before.setdefault(first_use[s.original.name], []).append(wait)
+            wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
+            before.setdefault(starts[id(s)], []).append(wait)
     new.bound_symbols = [b for i, b in enumerate(body) for b in (*before.get(i, ()), b)]
     _update_backward_with_new_saved_for_backward(new, handoff.saved)
     out = del_last_used(new, clear_mutable_collections=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import warnings
 
 import torch.distributed as dist
@@ -18,12 +19,12 @@ from thunder.core.compile_data import get_compile_data
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fp8shard.candidates import Candidate, find_candidates, te_quantized_names
+from thunder_fp8shard.candidates import find_candidates, te_quantized_names
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import choose, memory_model, soundness
 from thunder_fp8shard.replication import analyze_replication
-from thunder_fp8shard.rewrite import ShardRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.rewrite import BucketRequest, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, tensor_nbytes
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class _PendingForward:
 
     original: TraceCtx
     stand_in: TraceCtx  # what Thunder holds; filled with the rewritten forward by the backward hook
+    seconds: float  # time the forward hook took
 
 
 class ShardIntermediates(Transform):
@@ -55,6 +57,7 @@ class ShardIntermediates(Transform):
         self.options = ShardOptions(**options)
         self.plans: list[ShardPlan] = []
         self._pending: _PendingForward | None = None
+        self._dedicated: dict = {}  # FSDP process group -> the group the shards travel on (comm="dedicated")
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
@@ -64,47 +67,56 @@ class ShardIntermediates(Transform):
         return computation_trace
 
     def _forward(self, fw: TraceCtx) -> TraceCtx:
+        start = time.perf_counter()
         self._pending = None
         _check_last_post_optimization_transform(self)
-        group, world_size = _fsdp_group()
+        _, world_size = _fsdp_group()
         if not forward_saved(fw)[0]:
-            plan = ShardPlan(world_size, self.options.method, self.options.policy, self.options.prefetch, [], 0, 0)
+            plan = self._empty_plan(world_size)
             plan.notes.append("forward-only compile (no_grad or no input requires grad): nothing is saved for backward")
             self._record(plan)
             return fw
         stand_in = from_trace(fw)
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance("ShardIntermediates: forward as compiled, until its backward is planned"))
-        self._pending = _PendingForward(fw, stand_in)
+        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start)
         return stand_in
 
     def _backward(self, bw: TraceCtx) -> TraceCtx:
+        start = time.perf_counter()
         pending, self._pending = self._pending, None
         if pending is None:
             return bw
         fw = pending.original
         if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
             raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
-        group, world_size = _fsdp_group()
-        plan, chosen = self._plan(fw, bw, group, world_size)
+        fsdp_group, world_size = _fsdp_group()
+        plan, requests = self._plan(fw, bw, fsdp_group, world_size)
+        new_bw = bw
+        if requests:
+            o = self.options
+            group = self._shard_group(fsdp_group)
+            n = sum(len(r.members) for r in requests)
+            new_fw = rewrite_forward(
+                fw, requests, group=group, world_size=world_size, method=o.method, verify=o.verify,
+                provenance=f"ShardIntermediates: {n} saved tensors kept as 1/{world_size} shards in {len(requests)} "
+                f"bucket(s) ({o.method})",
+            )
+            pending.stand_in.bound_symbols = new_fw.trace.bound_symbols
+            pending.stand_in.set_provenance(new_fw.trace.get_provenance())
+            new_bw, _ = rewrite_backward(
+                bw, new_fw, group=group, prefetch=o.prefetch,
+                provenance=f"ShardIntermediates: {len(requests)} bucket(s) all-gathered (prefetch {o.prefetch})",
+            )
+        plan.pass_seconds = pending.seconds + time.perf_counter() - start
         self._record(plan)
-        if not chosen:
-            return bw
-        o = self.options
-        new_fw = rewrite_forward(
-            fw, [ShardRequest(c.proxy, c.payload_bytes) for c in chosen], group=group, world_size=world_size,
-            method=o.method, verify=o.verify,
-            provenance=f"ShardIntermediates: {len(chosen)} saved tensors kept as 1/{world_size} shards ({o.method})",
-        )
-        pending.stand_in.bound_symbols = new_fw.trace.bound_symbols
-        pending.stand_in.set_provenance(new_fw.trace.get_provenance())
-        new_bw, _ = rewrite_backward(
-            bw, new_fw, group=group, prefetch=o.prefetch,
-            provenance=f"ShardIntermediates: {len(chosen)} sharded tensors all-gathered (prefetch {o.prefetch})",
-        )
         return new_bw
 
-    def _plan(self, fw: TraceCtx, bw: TraceCtx, group, world_size: int) -> tuple[ShardPlan, list[Candidate]]:
+    def _empty_plan(self, world_size: int) -> ShardPlan:
+        o = self.options
+        return ShardPlan(world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes, comm=o.comm)
+
+    def _plan(self, fw: TraceCtx, bw: TraceCtx, group, world_size: int) -> tuple[ShardPlan, list[BucketRequest]]:
         o = self.options
         candidates = find_candidates(fw, o.candidates)
         te_names = te_quantized_names(fw)
@@ -112,23 +124,33 @@ class ShardIntermediates(Transform):
         model = memory_model(fw, bw, candidates, nbytes_of)
         saved_names = {p.name for p in forward_saved(fw)[0]}
         sound = soundness(candidates, analyze_replication(fw, group), model_io_names(fw), o, world_size, model, saved_names)
-        decisions, notes = choose(sound, model, o)
-        sharded = [d for d in decisions if d.sharded]
-        before, _ = model.evaluate([], o.prefetch)
-        after, gathers = model.evaluate(sharded, o.prefetch)
+        decisions, buckets, notes = choose(sound, model, o, world_size)
+        before, after = model.evaluate([]), model.evaluate(buckets)
         life_of = {m: life for life in model.lives.values() for m in life.members}
         saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
-        saved_after = saved_before - sum(life_of[d.name].nbytes - d.shard_nbytes for d in sharded)
-        plan = ShardPlan(
-            world_size=world_size, method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=decisions,
-            saved_bytes_before=saved_before, saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes,
-            peak_bytes_after=after.peak_bytes, timeline_before=before, timeline_after=after, gather_steps=gathers,
-            notes=notes,
+        saved_after = saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members) + sum(
+            b.shard_nbytes for b in buckets)
+        plan = dataclasses.replace(
+            self._empty_plan(world_size), decisions=decisions, saved_bytes_before=saved_before,
+            saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
+            timeline_before=before, timeline_after=after, buckets=buckets, notes=notes,
         )
         for note in notes:
             if "cannot be met" in note:
                 warnings.warn(f"ShardIntermediates: {note}", stacklevel=2)
-        return plan, [c for c, d in zip(candidates, decisions) if d.sharded]
+        proxy_of = {c.name: c.proxy for c in candidates}
+        return plan, [BucketRequest(tuple(proxy_of[n] for n in b.members), b.shard_nbytes) for b in buckets]
+
+    def _shard_group(self, fsdp_group):
+        """The process group the shards travel on: FSDP's, or (comm="dedicated") one more group over its ranks,
+        created once per FSDP group. Every rank compiles the same program in the same order, so the collective
+        ``new_group`` call is matched on every rank."""
+        if self.options.comm == "fsdp":
+            return fsdp_group
+        if fsdp_group not in self._dedicated:
+            ranks = dist.get_process_group_ranks(fsdp_group)
+            self._dedicated[fsdp_group] = dist.new_group(ranks=ranks, backend=dist.get_backend(fsdp_group))
+        return self._dedicated[fsdp_group]
 
     def _record(self, plan: ShardPlan) -> None:
         self.plans.append(plan)

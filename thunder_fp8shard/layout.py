@@ -1,0 +1,74 @@
+"""Byte layout of a bucket: several saved tensors sharded and all-gathered as one flat ``uint8`` buffer.
+
+The members' large buffers are laid out one after the other, each starting at a multiple of ``ALIGN`` bytes (so a
+member rebuilt as a view of the gathered buffer is as aligned as a fresh allocation for any dtype and for the
+GEMMs that read it), and the whole is padded to a multiple of the world size. Rank ``r`` keeps bytes
+``[r * shard_nbytes, (r + 1) * shard_nbytes)``; one ``all_gather_into_tensor`` of the shards returns the layout
+itself, so every member comes back as a view, without a copy. Pure arithmetic: the planner uses it to count bytes
+and the run-time operators to cut and rebuild.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+ALIGN = 256  # bytes; what the CUDA caching allocator guarantees for a fresh block (512) is more than any kernel needs
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each segment (one large buffer of one member) lies in the bucket's flat payload."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    world_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the laid-out payload, alignment gaps included, before padding to the world size."""
+        return self.offsets[-1] + self.sizes[-1] if self.sizes else 0
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes each rank keeps."""
+        return -(-self.nbytes // self.world_size)
+
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the all-gathered buffer (the payload padded to a multiple of the world size)."""
+        return self.shard_nbytes * self.world_size
+
+    def pieces(self, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+        """The parts of segments that rank ``rank`` keeps: ``(segment, start, stop, offset in the shard)``, where
+        ``start:stop`` are byte positions inside the segment."""
+        return _pieces(self, rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pieces(layout: BucketLayout, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+    lo, hi = rank * layout.shard_nbytes, (rank + 1) * layout.shard_nbytes
+    out = []
+    for k, (off, size) in enumerate(zip(layout.offsets, layout.sizes)):
+        a, b = max(lo, off), min(hi, off + size)
+        if a < b:
+            out.append((k, a - off, b - off, a - lo))
+    return tuple(out)
+
+
+def bucket_layout(sizes: list[int] | tuple[int, ...], world_size: int) -> BucketLayout:
+    """Lays out segments of ``sizes`` bytes, each at the next multiple of ``ALIGN`` (cached: the run-time operators
+    ask for the same layouts every step)."""
+    return _bucket_layout(tuple(int(s) for s in sizes), world_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket_layout(sizes: tuple[int, ...], world_size: int) -> BucketLayout:
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + size
+    return BucketLayout(tuple(offsets), sizes, world_size)
