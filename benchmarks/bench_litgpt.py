@@ -57,7 +57,7 @@ class RunConfig:
     lr: float = 1e-4
     return_grads: bool = False  # return every step's local gradient shards (for bitwise comparisons)
     seed: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # further ShardIntermediates options (bucket_bytes, comm, ...)
 
 
 def litgpt_config(cfg: RunConfig):
@@ -165,7 +165,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     transforms.append(FSDPTransform(device=device, sharding_strategy=FSDPType.ZERO3))
     sh = None
     if cfg.shard:
-        sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify)
+        sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify, **cfg.extra)
         transforms.append(sh)
     jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)

@@ -46,26 +46,35 @@ def test_payload_roundtrip_float8tensor():
         if not rowwise:
             f.update_usage(rowwise_usage=False, columnwise_usage=True)
             assert f._data is None and f._transpose is not None
-        flat, r = payload.to_bytes(f)
-        assert r.kind == "te_float8" and flat.dtype == torch.uint8
-        assert flat.numel() == x.numel() * (int(f._data is not None) + int(f._transpose is not None))
-        g = payload.from_bytes(flat.clone(), r)
-        assert type(g) is type(f) and g.shape == f.shape and g.dtype == f.dtype
-        for a in ("_data", "_transpose", "_scale_inv"):
-            fa, ga = getattr(f, a), getattr(g, a)
-            assert (fa is None) == (ga is None) and (fa is None or torch.equal(fa, ga))
-        assert torch.equal(f.dequantize(), g.dequantize())
+        before = f.dequantize()
+        present = {a: getattr(f, a) for a in ("_data", "_transpose") if getattr(f, a) is not None}
+        buffers, member = payload.take(f)
+        assert member.kind == "te_float8" and len(buffers) == len(present)
+        assert all(getattr(f, a) is None for a in present)  # the object no longer holds its large buffers
+        assert sum(b.numel() * b.element_size() for b in buffers) == x.numel() * len(present)
+        gathered = [b.clone() for b in buffers]  # stands for views of the all-gathered bytes
+        g = payload.give(member, gathered)
+        assert g is f and all(getattr(g, a) is t for a, t in zip(present, gathered))
+        assert g._scale_inv is not None and torch.equal(g.dequantize(), before)
 
 
-def _run(shard: bool):
-    cfg = bench.RunConfig(**SMALL, shard=shard)
-    return run_on_ranks(bench.run_rank, 2, cfg)
+def _run(shard: bool, backend: str = "gloo", **options):
+    cfg = bench.RunConfig(**SMALL, shard=shard, extra=options)
+    return run_on_ranks(bench.run_rank, 2, cfg, backend=backend)
 
 
-def test_llama_zero3_te_bitwise_and_memory():
-    without = _run(False)
-    with_ = _run(True)
-    report = {"model": "litgpt Llama-2-7b-hf config, shrunk: " + json.dumps(SMALL), "ranks": []}
+def _assert_weight_copies_sharded(plan):
+    """Every TE weight copy is sharded but the lm_head's: it is the last forward and the first backward consumer,
+    so its all-gather would be issued right after its shard (nothing to overlap it with)."""
+    weights = [d for d in plan["decisions"] if d["kind"] == "te_float8" and d["replicated"]]
+    assert len(weights) == 5 * SMALL["n_layer"] + 1  # qkv, attn proj, fc_1, fc_2, mlp proj per layer, and lm_head
+    refused = [d for d in weights if not d["sharded"]]
+    assert [d["shape"] for d in refused] == [[SMALL["vocab_size"], SMALL["n_embd"]]], refused
+    assert refused[0]["reason"].startswith("idle interval too short")
+    return weights
+
+
+def _assert_bitwise_equal_and_nonzero(without, with_):
     for a, b in zip(without, with_):
         r = a["rank"]
         assert a["losses_hex"] == b["losses_hex"], f"rank {r}: losses differ {a['losses']} vs {b['losses']}"
@@ -74,7 +83,33 @@ def test_llama_zero3_te_bitwise_and_memory():
             assert ga.keys() == gb.keys() and ga
             for n in ga:
                 assert torch.equal(ga[n], gb[n]), f"rank {r} step {step}: gradient of {n} differs"
-            assert any(float(g.abs().sum()) > 0 for g in ga.values()), f"rank {r} step {step}: all gradients zero"
+            zero = [n for n in ga if float(ga[n].abs().sum()) == 0]
+            assert not zero, f"rank {r} step {step}: zero gradients {zero}: the comparison would be void"
+    assert without[0]["losses_hex"] != without[1]["losses_hex"], "the ranks must see different data"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL, one GPU a rank)")
+@pytest.mark.parametrize("options", [{}, {"bucket_bytes": 256 * 2**20, "comm": "dedicated"}], ids=["defaults", "buckets"])
+def test_llama_zero3_te_nccl_two_gpus_bitwise(options):
+    """NCCL, one GPU a rank, different data per rank, decomposed attention: losses and every gradient of three
+    AdamW steps are bitwise equal with and without the pass (one tensor a bucket on FSDP's group; 256 MiB buckets
+    on a dedicated group), and every gradient is non-zero."""
+    without, with_ = _run(False, "nccl"), _run(True, "nccl", **options)
+    _assert_bitwise_equal_and_nonzero(without, with_)
+    plan = with_[0]["plan"]
+    _assert_weight_copies_sharded(plan)
+    for a, b in zip(without, with_):
+        assert b["saved_bytes_measured"] < a["saved_bytes_measured"]
+    print("NCCL_REPORT " + json.dumps({"losses": [r["losses"] for r in with_], "plan": plan["text"]}))
+
+
+def test_llama_zero3_te_bitwise_and_memory():
+    without = _run(False)
+    with_ = _run(True)
+    _assert_bitwise_equal_and_nonzero(without, with_)
+    report = {"model": "litgpt Llama-2-7b-hf config, shrunk: " + json.dumps(SMALL), "ranks": []}
+    for a, b in zip(without, with_):
+        r, ga = a["rank"], a["grads"][-1]
         nonzero = sum(1 for n in ga if float(ga[n].abs().sum()) > 0)
         report["ranks"].append({
             "rank": r, "losses": a["losses"], "grads_bitwise_equal": True, "nonzero_grad_tensors_last_step": nonzero,
@@ -86,14 +121,11 @@ def test_llama_zero3_te_bitwise_and_memory():
 
     plan = with_[0]["plan"]
     te_dec = [d for d in plan["decisions"] if d["kind"] == "te_float8"]
-    weights = [d for d in te_dec if d["replicated"]]
     inputs = [d for d in te_dec if not d["replicated"]]
     print(plan["text"])
-    assert weights and all(d["sharded"] for d in weights), "every TE weight copy must be sharded"
+    weights = _assert_weight_copies_sharded(plan)
     assert inputs and not any(d["sharded"] for d in inputs), "TE quantized inputs are per-rank: never sharded"
     assert all("per-rank" in d["reason"] for d in inputs)
-    # litgpt Llama: qkv, attn proj, fc_1, fc_2, mlp proj per layer, and lm_head
-    assert len(weights) == 5 * SMALL["n_layer"] + 1, [d["shape"] for d in weights]
     fp8w = sum(d["nbytes"] for d in weights)
     report["te_fp8_weight_bytes"] = fp8w
     report["predicted_saving"] = plan["predicted_saving"]

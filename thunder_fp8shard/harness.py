@@ -1,4 +1,5 @@
-"""Runs a function on N real gloo processes on this machine and collects what each rank returns.
+"""Runs a function on N real processes on this machine (gloo, or NCCL with one GPU a rank) and collects what each
+rank returns.
 
 Used by the demo, the tests and the notebooks; it is not part of the pass.
 """
@@ -17,8 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600) -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own gloo process.
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600, backend: str = "gloo"
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own process. With
+    ``backend="nccl"`` rank r uses GPU r (``LOCAL_RANK`` is the rank).
 
     ``fn`` must be importable (module level) and return picklable data. An exception on any rank is re-raised here
     with that rank's traceback.
@@ -26,7 +30,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
     port = _free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -47,12 +51,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: floa
     return [out[r] for r in range(world_size)]
 
 
-def _rank_main(fn, rank, world_size, port, results, args):
+def _rank_main(fn, rank, world_size, port, results, args, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))  # plain bytes: no shared-memory tensors to outlive us
     except BaseException:  # report every failure to the parent instead of hanging it
