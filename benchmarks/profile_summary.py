@@ -1,0 +1,133 @@
+"""Where one training step's time goes, from a ``torch.profiler`` Chrome trace (CPU + CUDA activities, one rank).
+
+``summarize(trace)`` returns plain data:
+
+- the step's CPU span and GPU span; the compute stream (the stream with the most non-NCCL kernel time), its busy
+  time and its idle gaps, for the whole step and for the backward (kernels launched while autograd runs Thunder's
+  backward);
+- each idle gap of the compute stream classified by the kernel that ends it: ``"cpu"`` when that kernel was launched
+  after the stream went idle (the GPU waited for the CPU to issue work), ``"wait"`` when it had been launched before
+  (it waited for an event, e.g. the end of a collective on another stream);
+- NCCL kernels per stream (count, time, kinds);
+- CPU time inside the pass's operators (their ``record_function`` ranges, ``fp8shard_*``) and inside the
+  collectives' CPU calls.
+
+Usage: ``python benchmarks/profile_summary.py trace.json[.gz]`` prints the summary as JSON.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections import defaultdict
+
+LAUNCH_SLACK_US = 5.0  # a kernel launched less than this before the gap began counts as launched late
+NCCL_PREFIX = ("ncclDevKernel", "ncclKernel")
+BACKWARD_MARK = "ThunderFunctionBackward"
+
+
+def load(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _gaps(kernels: list[dict], launch_ts: dict, min_gap_us: float) -> list[dict]:
+    """Idle gaps between consecutive kernels of one stream, each with its class and the kernels around it."""
+    busy_end, prev_name, gaps = None, None, []
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        if busy_end is not None and k["ts"] - busy_end >= min_gap_us:
+            launched = launch_ts.get(k["args"].get("correlation"))
+            late = launched is not None and launched + LAUNCH_SLACK_US > busy_end
+            gaps.append({"start_us": busy_end, "us": k["ts"] - busy_end, "kind": "cpu" if late else "wait",
+                         "before": prev_name, "after": k["name"]})
+        end = k["ts"] + k.get("dur", 0)
+        if busy_end is None or end > busy_end:
+            busy_end, prev_name = end, k["name"]
+    return gaps
+
+
+def _stream_stats(kernels: list[dict], launch_ts: dict, min_gap_us: float) -> dict:
+    if not kernels:
+        return {"kernels": 0}
+    busy = sum(b - a for a, b in _union([(k["ts"], k["ts"] + k.get("dur", 0)) for k in kernels]))
+    span = max(k["ts"] + k.get("dur", 0) for k in kernels) - min(k["ts"] for k in kernels)
+    gaps = _gaps(kernels, launch_ts, min_gap_us)
+    by_kind = defaultdict(float)
+    for g in gaps:
+        by_kind[g["kind"]] += g["us"]
+    return {
+        "kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+        "gaps": len(gaps), "gap_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items())},
+        "largest_gaps": [dict(g, us=round(g["us"], 1)) for g in sorted(gaps, key=lambda g: -g["us"])[:8]],
+    }
+
+
+def summarize(trace: dict, min_gap_us: float = 10.0) -> dict:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    cpu = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+
+    by_stream: dict[int, list[dict]] = defaultdict(list)
+    for k in kernels:
+        by_stream[k["args"].get("stream", -1)].append(k)
+    is_nccl = lambda k: k["name"].startswith(NCCL_PREFIX)  # noqa: E731
+    compute_time = {s: sum(k.get("dur", 0) for k in ks if not is_nccl(k)) for s, ks in by_stream.items()}
+    compute = max(compute_time, key=compute_time.get) if compute_time else None
+
+    backward = [e for e in cpu if BACKWARD_MARK in e["name"]]
+    bw_lo = min((e["ts"] for e in backward), default=None)
+    bw_hi = max((e["ts"] + e.get("dur", 0) for e in backward), default=None)
+
+    def launched_in_backward(k):
+        t = launch_ts.get(k["args"].get("correlation"))
+        return bw_lo is not None and t is not None and bw_lo <= t <= bw_hi
+
+    nccl = {}
+    for s, ks in sorted(by_stream.items()):
+        coll = [k for k in ks if is_nccl(k)]
+        if coll:
+            kinds = defaultdict(lambda: [0, 0.0])
+            for k in coll:
+                kind = k["name"].split("(")[0]
+                kinds[kind][0] += 1
+                kinds[kind][1] += k.get("dur", 0) / 1e3
+            nccl[str(s)] = {"kernels": len(coll), "ms": sum(k.get("dur", 0) for k in coll) / 1e3,
+                            "kinds": {n: {"count": c, "ms": round(ms, 3)} for n, (c, ms) in sorted(kinds.items())}}
+
+    ranges = defaultdict(lambda: [0, 0.0])
+    for e in cpu:
+        n = e["name"]
+        if n.startswith("fp8shard_") or n.startswith(("c10d::", "nccl:", "record_param_comms")):
+            ranges[n][0] += 1
+            ranges[n][1] += e.get("dur", 0) / 1e3
+
+    cpu_lo = min((e["ts"] for e in cpu), default=0.0)
+    cpu_hi = max((e["ts"] + e.get("dur", 0) for e in cpu), default=0.0)
+    main = by_stream.get(compute, [])
+    return {
+        "cpu_span_ms": (cpu_hi - cpu_lo) / 1e3,
+        "backward_cpu_ms": (bw_hi - bw_lo) / 1e3 if backward else None,
+        "compute_stream": compute,
+        "compute": _stream_stats(main, launch_ts, min_gap_us),
+        "compute_backward": _stream_stats([k for k in main if launched_in_backward(k)], launch_ts, min_gap_us),
+        "nccl_streams": nccl,
+        "cpu_ranges": {n: {"count": c, "ms": round(ms, 3)} for n, (c, ms) in sorted(ranges.items())},
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarize(load(sys.argv[1])), indent=1))
