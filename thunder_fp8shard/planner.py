@@ -101,11 +101,14 @@ def schedule(
     placements = model.placements
     order = sorted(chosen, key=lambda d: placements[d.name].first_use)
     groups: list[list[Decision]] = []
+    filled = 0
     for d in order:
-        if groups and sum(m.nbytes for m in groups[-1]) + d.nbytes <= bucket_bytes:
+        if groups and filled + d.nbytes <= bucket_bytes:
             groups[-1].append(d)
+            filled += d.nbytes
         else:
             groups.append([d])
+            filled = d.nbytes
     first_uses = [placements[g[0].name].first_use for g in groups]
     buckets = []
     for j, g in enumerate(groups):
@@ -198,7 +201,7 @@ def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | No
         name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
         kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
         reason=refused or f"identical on every rank; rank keeps 1/{world_size}",
-        shard_nbytes=-(-c.payload_bytes // world_size) if refused is None else 0,
+        shard_nbytes=bucket_layout([c.payload_bytes], world_size).shard_nbytes if refused is None else 0,
     )
 
 
