@@ -20,7 +20,7 @@ from thunder_fp8shard.toy_models import FakeFP8MLP
         ({"prefetch": 1.5}, ValueError, r"prefetch must be a non-negative int, got 1.5"),
         ({"verify": "yes"}, TypeError, r"verify must be a bool"),
         ({"bucket_bytes": -1}, ValueError, r"bucket_bytes must be a non-negative int, got -1"),
-        ({"comm": "nccl"}, ValueError, r"comm must be one of \('dedicated', 'fsdp'\), got 'nccl'"),
+        ({"comm": "nccl"}, ValueError, r"comm must be one of \('shared', 'dedicated'\), got 'nccl'"),
     ],
 )
 def test_invalid_options_fail_at_construction(options, error, message):
@@ -44,14 +44,19 @@ def _fsdp(strategy="ZERO3"):
 
 def test_without_fsdp_it_says_how_to_use_it():
     jm = _jit([ShardIntermediates()])
-    with pytest.raises(RuntimeError, match=r"ShardIntermediates needs Thunder FSDP: use thunder.jit\(model, transforms=\[FSDPTransform"):
+    with pytest.raises(RuntimeError, match=r"ShardIntermediates needs Thunder FSDP or DDP: use thunder.jit\(model, transforms=\[FSDPTransform"):
         jm(torch.randn(3, 24, requires_grad=True))
 
 
-def test_zero2_is_refused(single_rank_group):
-    jm = _jit([_fsdp("ZERO2"), ShardIntermediates()])
-    with pytest.raises(RuntimeError, match=r"ZeRO-3 behaviour, but FSDP runs with FSDPType.ZERO2; use sharding_strategy=FSDPType.ZERO3"):
-        jm(torch.randn(3, 24, requires_grad=True))
+@pytest.mark.parametrize("candidates", ["fp8", "all"])
+def test_zero2_is_accepted_and_the_plan_says_what_stays_gathered(single_rank_group, candidates):
+    shard = ShardIntermediates(candidates=candidates)
+    jm = _jit([_fsdp("ZERO2"), shard])
+    jm(torch.randn(3, 24, requires_grad=True)).sum().backward()
+    plan = shard.plans[-1]
+    assert plan.integration == "Thunder FSDP (ZeRO-2)" and str(plan).startswith("ShardIntermediates plan: Thunder FSDP (ZeRO-2)")
+    expected = "re-gathers the full-precision gathered weights too" if candidates == "all" else "weights stay gathered"
+    assert expected in plan.notes[0] and expected in str(plan)
 
 
 def test_it_must_come_after_other_post_optimization_transforms(single_rank_group):

@@ -1,4 +1,5 @@
-"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP ZeRO-3 and all-gather them in backward."""
+"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP (ZeRO-3, ZeRO-2) or DDP and all-gather them in
+backward."""
 
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Decision, ShardPlan

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 CANDIDATE_KINDS = ("fp8", "all")
 SHARD_METHODS = ("slice", "reduce_scatter")
 POLICIES = ("all", "peak", "budget")
-COMMS = ("dedicated", "fsdp")
+COMMS = ("shared", "dedicated")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class ShardOptions:
         (a bucket holds at least one tensor): one shard op in forward, one all-gather in backward per bucket, fewer
         operators for the CPU to run. 0 (the default) gives one bucket per tensor: on the GPU, 256 MiB buckets cost
         0.19 GB of the 3.18 GB saved on Llama-2-7b (more bytes gathered at once at the start of the backward).
-    comm: ``"fsdp"`` (the default) sends the shards over FSDP's process group; ``"dedicated"`` over a second group
+    comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
+        ``"dedicated"`` over a second group
         with the same ranks (created once, at the first compilation), so the all-gathers run on their own NCCL
         communicator and stream and cannot queue behind FSDP's gradient reduce-scatters (profiled on the GPU, they
         did not: the backward's compute stream had no such waits).
@@ -43,7 +44,7 @@ class ShardOptions:
     budget_bytes: int | None = None
     prefetch: int = 1
     bucket_bytes: int = 0
-    comm: str = "fsdp"
+    comm: str = "shared"
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)

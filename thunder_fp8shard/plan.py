@@ -63,7 +63,8 @@ class ShardPlan:
     timeline_after: Timeline | None = None
     buckets: list[Bucket] = field(default_factory=list)
     bucket_bytes: int = 0
-    comm: str = ""  # the process group the shards travel on: "dedicated" or "fsdp"
+    comm: str = ""  # the process group the shards travel on: "shared" (the setup's own) or "dedicated"
+    integration: str = ""  # the distributed setup the pass recognized, e.g. "Thunder FSDP (ZeRO-3)"
     pass_seconds: float = 0.0  # wall time of both hooks of the pass (analysis, plan, rewrite) for this entry
     notes: list[str] = field(default_factory=list)
 
@@ -92,11 +93,13 @@ class ShardPlan:
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
         fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         lines = [
-            f"ShardIntermediates plan: world size {self.world_size}, method {self.method}, policy {self.policy}, "
+            f"ShardIntermediates plan: {self.integration or 'no distributed setup'}, world size {self.world_size}, "
+            f"method {self.method}, policy {self.policy}, "
             f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
             + (f"in {len(self.buckets)} bucket(s) of at most {_fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes
                else "one tensor a bucket")
-            + f", on the {self.comm} process group; the pass took {self.pass_seconds:.2f} s",
+            + f", on {'a dedicated' if self.comm == 'dedicated' else 'its own'} process group; "
+            f"the pass took {self.pass_seconds:.2f} s",
             fmt(header),
             *(fmt(r) for r in rows),
             f"saved for backward per rank: {_fmt_bytes(self.saved_bytes_before)} -> {_fmt_bytes(self.saved_bytes_after)}",

@@ -1,4 +1,5 @@
-"""A small FSDP ZeRO-3 training run of a fake-FP8 model on one rank, with or without the pass.
+"""A small data-parallel training run (Thunder FSDP ZeRO-3 or ZeRO-2, or Thunder DDP) of a fake-FP8 model on one rank,
+with or without the pass.
 
 ``run_on_ranks(train, world_size, RunConfig(...))`` (see :mod:`thunder_fp8shard.harness`) gives each rank's
 ``RunResult``; comparing a run with the pass against one without is the exactness check used by the demo and the
@@ -22,7 +23,8 @@ class RunConfig:
     use_pass: bool = True
     options: dict = field(default_factory=dict)  # ShardIntermediates options
     no_grad_call: bool = True  # a forward-only call between the first and second step
-    api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...)
+    api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...);
+    # "ddp": thunder.distributed.ddp(...)
     sharding_strategy: str = "ZERO3"
     seed: int = 0
 
@@ -39,7 +41,7 @@ class RunResult:
 
 def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     import thunder
-    from thunder.distributed import FSDPType, fsdp
+    from thunder.distributed import FSDPType, ddp, fsdp
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
@@ -53,8 +55,10 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     if cfg.api == "transform":
         fsdp_t = FSDPTransform(device=torch.device("cpu"), sharding_strategy=strategy)
         jm = thunder.jit(model, transforms=[fsdp_t, *extra])
-    else:
+    elif cfg.api == "fsdp":
         jm = fsdp(thunder.jit(model, transforms=extra), device=torch.device("cpu"), sharding_strategy=strategy)
+    else:
+        jm = ddp(thunder.jit(model, transforms=extra))
     opt = torch.optim.SGD(jm.parameters(), lr=0.1)
 
     result = RunResult([], [], [], None, [])

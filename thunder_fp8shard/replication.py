@@ -45,16 +45,23 @@ class Replication:
 
     def reason(self, name: str) -> str:
         if name in self.replicated:
-            return "identical on every rank (derived only from all-gathered parameters and constants)"
+            return "identical on every rank (derived only from replicated roots and constants)"
         return self.per_rank.get(name, "not produced in the forward trace")
 
 
-def analyze_replication(trace: TraceCtx, group) -> Replication:
-    """Classifies every proxy of ``trace``; ``group`` is the process group the tensors would be sharded over."""
+def analyze_replication(trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset()) -> Replication:
+    """Classifies every proxy of ``trace``; ``group`` is the process group the tensors would be sharded over.
+
+    The roots of replication are the all-gathers over ``group`` and the trace inputs named in ``replicated_inputs``
+    (e.g. the parameters under DDP, see :mod:`thunder_fp8shard.integrations`); every other input is per-rank.
+    """
     replicated: set[str] = set()
     per_rank: dict[str, str] = {}
     for arg in _flat_proxies(trace.args) + _flat_proxies(list(trace.kwargs.values())):
-        per_rank[arg.name] = _input_reason(arg)
+        if arg.name in replicated_inputs:
+            replicated.add(arg.name)
+        else:
+            per_rank[arg.name] = _input_reason(arg)
 
     def origin(p: Proxy) -> str | None:
         """None when ``p`` is replicated, else the reason it is not."""

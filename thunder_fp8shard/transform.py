@@ -19,6 +19,7 @@ from thunder.core.compile_data import get_compile_data
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
+from thunder_fp8shard import integrations
 from thunder_fp8shard.candidates import find_candidates, te_quantized_names
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
@@ -40,11 +41,12 @@ class _PendingForward:
 
 
 class ShardIntermediates(Transform):
-    """Shards saved-for-backward tensors that are identical on every rank (FSDP ZeRO-3) and all-gathers them back
-    just before their backward consumers. Gradients are bitwise identical to the run without the pass.
+    """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, see
+    :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward consumers. Gradients
+    are bitwise identical to the run without the pass.
 
-    Use after Thunder's FSDP, as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(
-    sharding_strategy=FSDPType.ZERO3), ShardIntermediates()])``. Options: see
+    Use as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
+    ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``. Options: see
     :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan`
     per compiled cache entry, newest last.
     """
@@ -57,7 +59,7 @@ class ShardIntermediates(Transform):
         self.options = ShardOptions(**options)
         self.plans: list[ShardPlan] = []
         self._pending: _PendingForward | None = None
-        self._dedicated: dict = {}  # FSDP process group -> the group the shards travel on (comm="dedicated")
+        self._dedicated: dict = {}  # the setup's process group -> the group the shards travel on (comm="dedicated")
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
@@ -70,9 +72,9 @@ class ShardIntermediates(Transform):
         start = time.perf_counter()
         self._pending = None
         _check_last_post_optimization_transform(self)
-        _, world_size = _fsdp_group()
+        setup = integrations.detect(get_compile_data(), self.options)
         if not forward_saved(fw)[0]:
-            plan = self._empty_plan(world_size)
+            plan = self._empty_plan(setup)
             plan.notes.append("forward-only compile (no_grad or no input requires grad): nothing is saved for backward")
             self._record(plan)
             return fw
@@ -90,12 +92,13 @@ class ShardIntermediates(Transform):
         fw = pending.original
         if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
             raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
-        fsdp_group, world_size = _fsdp_group()
-        plan, requests = self._plan(fw, bw, fsdp_group, world_size)
+        setup = integrations.detect(get_compile_data(), self.options)
+        world_size = setup.world_size
+        plan, requests = self._plan(fw, bw, setup)
         new_bw = bw
         if requests:
             o = self.options
-            group = self._shard_group(fsdp_group)
+            group = self._shard_group(setup.group)
             n = sum(len(r.members) for r in requests)
             new_fw = rewrite_forward(
                 fw, requests, group=group, world_size=world_size, method=o.method, verify=o.verify,
@@ -112,28 +115,31 @@ class ShardIntermediates(Transform):
         self._record(plan)
         return new_bw
 
-    def _empty_plan(self, world_size: int) -> ShardPlan:
+    def _empty_plan(self, setup: integrations.Integration) -> ShardPlan:
         o = self.options
-        return ShardPlan(world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes, comm=o.comm)
+        return ShardPlan(setup.world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes,
+                         comm=o.comm, integration=setup.name, notes=list(setup.notes))
 
-    def _plan(self, fw: TraceCtx, bw: TraceCtx, group, world_size: int) -> tuple[ShardPlan, list[BucketRequest]]:
-        o = self.options
+    def _plan(self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration) -> tuple[ShardPlan, list[BucketRequest]]:
+        o, world_size = self.options, setup.world_size
         candidates = find_candidates(fw, o.candidates)
         te_names = te_quantized_names(fw)
         nbytes_of = lambda p: int(p.numel) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
         model = memory_model(fw, bw, candidates, nbytes_of)
         saved_names = {p.name for p in forward_saved(fw)[0]}
-        sound = soundness(candidates, analyze_replication(fw, group), model_io_names(fw), o, world_size, model, saved_names)
+        replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw))
+        sound = soundness(candidates, replication, model_io_names(fw), o, world_size, model, saved_names)
         decisions, buckets, notes = choose(sound, model, o, world_size)
         before, after = model.evaluate([]), model.evaluate(buckets)
         life_of = {m: life for life in model.lives.values() for m in life.members}
         saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
         saved_after = saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members) + sum(
             b.shard_nbytes for b in buckets)
+        empty = self._empty_plan(setup)
         plan = dataclasses.replace(
-            self._empty_plan(world_size), decisions=decisions, saved_bytes_before=saved_before,
+            empty, decisions=decisions, saved_bytes_before=saved_before,
             saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
-            timeline_before=before, timeline_after=after, buckets=buckets, notes=notes,
+            timeline_before=before, timeline_after=after, buckets=buckets, notes=[*empty.notes, *notes],
         )
         for note in notes:
             if "cannot be met" in note:
@@ -141,16 +147,16 @@ class ShardIntermediates(Transform):
         proxy_of = {c.name: c.proxy for c in candidates}
         return plan, [BucketRequest(tuple(proxy_of[n] for n in b.members), b.shard_nbytes) for b in buckets]
 
-    def _shard_group(self, fsdp_group):
-        """The process group the shards travel on: FSDP's, or (comm="dedicated") one more group over its ranks,
-        created once per FSDP group. Every rank compiles the same program in the same order, so the collective
-        ``new_group`` call is matched on every rank."""
-        if self.options.comm == "fsdp":
-            return fsdp_group
-        if fsdp_group not in self._dedicated:
-            ranks = dist.get_process_group_ranks(fsdp_group)
-            self._dedicated[fsdp_group] = dist.new_group(ranks=ranks, backend=dist.get_backend(fsdp_group))
-        return self._dedicated[fsdp_group]
+    def _shard_group(self, group):
+        """The process group the shards travel on: the setup's (FSDP's or DDP's), or (comm="dedicated") one more
+        group over its ranks, created once per group. Every rank compiles the same program in the same order, so
+        the collective ``new_group`` call is matched on every rank."""
+        if self.options.comm == "shared":
+            return group
+        if group not in self._dedicated:
+            ranks = dist.get_process_group_ranks(group)
+            self._dedicated[group] = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+        return self._dedicated[group]
 
     def _record(self, plan: ShardPlan) -> None:
         self.plans.append(plan)
@@ -166,25 +172,3 @@ def _check_last_post_optimization_transform(me: ShardIntermediates) -> None:
             "ShardIntermediates must be the last transform with a post-optimization step (it completes the forward "
             f"trace when it sees the backward); move it after {', '.join(type(t).__name__ for t in hooked)}"
         )
-
-
-def _fsdp_group():
-    """The FSDP process group of the compilation and its size; raises a clear error when there is none to use."""
-    cd = get_compile_data()
-    group = getattr(cd, "process_group_for_ddp", None) if cd is not None else None
-    if cd is None or not getattr(cd, "use_fsdp", False) or group is None:
-        raise RuntimeError(
-            "ShardIntermediates needs Thunder FSDP: use thunder.jit(model, transforms=[FSDPTransform(...), "
-            "ShardIntermediates()]) or thunder.distributed.fsdp(thunder.jit(model, transforms=[ShardIntermediates()]))"
-        )
-    from thunder.distributed import FSDPType
-
-    strategy = getattr(cd.fn, "sharding_strategy", None)
-    if strategy is not None and strategy != FSDPType.ZERO3:
-        raise RuntimeError(
-            f"ShardIntermediates re-gathers saved tensors in backward, which is ZeRO-3 behaviour, but FSDP runs with "
-            f"{strategy}; use sharding_strategy=FSDPType.ZERO3"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
-    return group, dist.get_world_size(group)

@@ -1,0 +1,51 @@
+"""Integrations: how a distributed setup tells the pass its process group and which values are identical on every rank.
+
+Each integration is one small module with ``detect(compile_data) -> Integration | None``. The pass asks them in
+:data:`INTEGRATIONS` order while compiling and uses the first that recognizes the compilation; the replication
+analysis then starts from the integration's *replicated roots*: the all-gathers over its group (always), plus the
+trace inputs it names (:meth:`Integration.replicated_inputs`). A new setup is one more module here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.integrations import thunder_ddp, thunder_fsdp
+
+
+@dataclass(frozen=True)
+class Integration:
+    """A recognized distributed setup."""
+
+    name: str  # shown in the plan, e.g. "Thunder FSDP (ZeRO-3)"
+    group: object  # the process group the replicated values are identical over, and the shards travel on
+    replicated_inputs: Callable[[TraceCtx], frozenset[str]] = lambda trace: frozenset()
+    notes: tuple[str, ...] = field(default=())  # what the plan should say about this setup
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect)
+
+USAGE = (
+    "ShardIntermediates needs Thunder FSDP or DDP: use thunder.jit(model, transforms=[FSDPTransform(...), "
+    "ShardIntermediates()]), thunder.distributed.fsdp(thunder.jit(model, transforms=[ShardIntermediates()])) or "
+    "thunder.distributed.ddp(thunder.jit(model, transforms=[ShardIntermediates()]))"
+)
+
+
+def detect(compile_data, options) -> Integration:
+    """The integration of this compilation; raises a clear error when there is none, or no process group."""
+    for find in INTEGRATIONS:
+        found = find(compile_data, options)
+        if found is not None:
+            if not dist.is_initialized():
+                raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
+            return found
+    raise RuntimeError(USAGE)
