@@ -132,7 +132,7 @@ def plan_summary(plans) -> dict:
     plan = max(plans, key=lambda p: len(p.decisions))
     fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
     return {
-        "text": str(plan), "world_size": plan.world_size,
+        "text": str(plan), "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
         # older versions of the pass have neither buckets nor a recorded pass time
         "pass_seconds": getattr(plan, "pass_seconds", None),
         "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in plans),
