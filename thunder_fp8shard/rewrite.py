@@ -102,21 +102,22 @@ def rewrite_backward(
         and b.sym is not clear_mutable_collection
     ]
     first_use = _first_use(body, {p.name for s in handoff.sharded for p in s.originals})
-    starts = {id(s): min((first_use[p.name] for p in s.originals if p.name in first_use), default=None)
-              for s in handoff.sharded}
-    order = sorted((s for s in handoff.sharded if starts[id(s)] is not None), key=lambda s: starts[id(s)])
+    # each bucket is restored before the first backward use of any of its members; buckets never used are not
+    starts = [min((first_use[p.name] for p in s.originals if p.name in first_use), default=None) for s in handoff.sharded]
+    order = sorted((i for i, start in enumerate(starts) if start is not None), key=starts.__getitem__)
     new = from_trace(bw)
     before: dict[int, list[BoundSymbol]] = {}
     with tracectx(new):
-        for j, s in enumerate(order):
+        for j, i in enumerate(order):
+            s = handoff.sharded[i]
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
             handle = ops.gather_start(s.shard, group)
             new.pop_scope()
-            issue_at = starts[id(order[j - prefetch])] if j >= prefetch else 0
+            issue_at = starts[order[j - prefetch]] if j >= prefetch else 0
             before.setdefault(issue_at, []).extend(scope)
             wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
-            before.setdefault(starts[id(s)], []).append(wait)
+            before.setdefault(starts[i], []).append(wait)
     new.bound_symbols = [b for i, b in enumerate(body) for b in (*before.get(i, ()), b)]
     _update_backward_with_new_saved_for_backward(new, handoff.saved)
     out = del_last_used(new, clear_mutable_collections=True)
