@@ -30,10 +30,9 @@ class ShardOptions:
         operators for the CPU to run. 0 (the default) gives one bucket per tensor: on the GPU, 256 MiB buckets cost
         0.19 GB of the 3.18 GB saved on Llama-2-7b (more bytes gathered at once at the start of the backward).
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
-        ``"dedicated"`` over a second group
-        with the same ranks (created once, at the first compilation), so the all-gathers run on their own NCCL
-        communicator and stream and cannot queue behind FSDP's gradient reduce-scatters (profiled on the GPU, they
-        did not: the backward's compute stream had no such waits).
+        ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
+        all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
+        reduce-scatters (profiled on the GPU, they did not: the backward's compute stream had no such waits).
     """
 
     candidates: str = "fp8"

@@ -26,7 +26,7 @@ from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import choose, memory_model, soundness
 from thunder_fp8shard.replication import analyze_replication
 from thunder_fp8shard.rewrite import BucketRequest, rewrite_backward, rewrite_forward
-from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, tensor_nbytes
+from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, numel, tensor_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class ShardIntermediates(Transform):
         o, world_size = self.options, setup.world_size
         candidates = find_candidates(fw, o.candidates)
         te_names = te_quantized_names(fw)
-        nbytes_of = lambda p: int(p.numel) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
+        nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
         model = memory_model(fw, bw, candidates, nbytes_of)
         saved_names = {p.name for p in forward_saved(fw)[0]}
         replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw))

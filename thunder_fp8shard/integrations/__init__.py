@@ -31,6 +31,14 @@ class Integration:
         return dist.get_world_size(self.group)
 
 
+def group_of(compile_data, flag: str):
+    """The process group Thunder's ``fsdp``/``ddp`` recorded in the compile data when ``compile_data.<flag>`` is
+    set (``use_fsdp``, ``use_ddp``), else None."""
+    if compile_data is None or not getattr(compile_data, flag, False):
+        return None
+    return getattr(compile_data, "process_group_for_ddp", None)
+
+
 INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect)
 
 USAGE = (

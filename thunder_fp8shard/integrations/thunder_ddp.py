@@ -19,9 +19,9 @@ def replicated_parameters(trace) -> frozenset[str]:
 
 
 def detect(cd, options):
-    from thunder_fp8shard.integrations import Integration
+    from thunder_fp8shard.integrations import Integration, group_of
 
-    group = getattr(cd, "process_group_for_ddp", None) if cd is not None else None
-    if cd is None or not getattr(cd, "use_ddp", False) or group is None:
+    group = group_of(cd, "use_ddp")
+    if group is None:
         return None
     return Integration("Thunder DDP", group, replicated_inputs=replicated_parameters)

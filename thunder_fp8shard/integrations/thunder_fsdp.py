@@ -12,10 +12,10 @@ from __future__ import annotations
 def detect(cd, options):
     from thunder.distributed import FSDPType
 
-    from thunder_fp8shard.integrations import Integration
+    from thunder_fp8shard.integrations import Integration, group_of
 
-    group = getattr(cd, "process_group_for_ddp", None) if cd is not None else None
-    if cd is None or not getattr(cd, "use_fsdp", False) or group is None:
+    group = group_of(cd, "use_fsdp")
+    if group is None:
         return None
     strategy = getattr(cd.fn, "sharding_strategy", None)
     if strategy == FSDPType.ZERO2:
