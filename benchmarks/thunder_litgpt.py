@@ -137,6 +137,8 @@ def plan_summary(plans) -> dict:
         "pass_seconds": getattr(plan, "pass_seconds", None),
         "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in plans),
         "candidates": len(plan.decisions), "sharded": len(plan.sharded), "buckets": len(getattr(plan, "buckets", [])),
+        "shard_ops": len({getattr(b, "shard_op", b.index) for b in getattr(plan, "buckets", [])}),
+        "bucket_members": [len(b.members) for b in getattr(plan, "buckets", [])],
         "sharded_bytes": sum(d.nbytes for d in plan.sharded),
         "fp8_weight_bytes": sum(d.nbytes for d in fp8 if d.replicated),
         "fp8_sharded_bytes": sum(d.nbytes for d in fp8 if d.sharded),

@@ -47,24 +47,31 @@ def test_exact_gradients_and_saved_bytes(world_size):
     assert plan.comm == "shared" and [len(b.members) for b in plan.buckets] == [1, 1, 1]  # the defaults
 
 
-def test_reduce_scatter_method_in_one_bucket_is_exact():
-    options = {"min_bytes": 0, "method": "reduce_scatter", "prefetch": 0, "bucket_bytes": 1 << 20}
-    results = run_on_ranks(train_with_and_without, 3, RunConfig(widths=WIDTHS, options=options))
+# with 256-320 rows a batch the activations dwarf the weights and the peak is the forward's: keeping the first two
+# weight copies (in backward order) in one shard op costs no predicted peak, while gathering them together would
+LARGE_BATCHES = (256, 320, 256)
+
+
+def test_reduce_scatter_method_into_a_shared_shard_op_is_exact():
+    options = {"min_bytes": 0, "method": "reduce_scatter", "prefetch": 0}
+    results = run_on_ranks(train_with_and_without, 3, RunConfig(widths=WIDTHS, batch_sizes=LARGE_BATCHES, options=options))
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
-    assert [len(b.members) for b in plan.buckets] == [3] and plan.comm == "shared"
+    assert [(b.nbytes, b.shard_op) for b in plan.buckets] == [(1525, 0), (2867, 0), (329, 1)]
+    assert plan.comm == "shared"
 
 
-def test_thunder_distributed_fsdp_api_verify_and_two_buckets():
+def test_thunder_distributed_fsdp_api_verify_and_a_size_cap():
     # in order of first backward use (the recomputed dequantizations come first) the weight copies hold 1,525,
-    # 2,867 and 329 bytes: a 3,200-byte cap makes two buckets
+    # 2,867 and 329 bytes: a 3,200-byte cap keeps the first two in shard ops of their own
     options = {"min_bytes": 0, "verify": True, "prefetch": 2, "bucket_bytes": 3200, "comm": "dedicated"}
-    results = run_on_ranks(train_with_and_without, 2, RunConfig(widths=WIDTHS, api="fsdp", options=options))
+    cfg = RunConfig(widths=WIDTHS, batch_sizes=LARGE_BATCHES, api="fsdp", options=options)
+    results = run_on_ranks(train_with_and_without, 2, cfg)
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
-    assert [b.nbytes for b in plan.buckets] == [1525, 2867 + 329] and plan.comm == "dedicated"
+    assert [(b.nbytes, b.shard_op) for b in plan.buckets][:2] == [(1525, 0), (2867, 1)] and plan.comm == "dedicated"
 
 
 def test_all_candidates_shards_the_gathered_full_precision_weights_too():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from thunder_fp8shard import ops, payload
+from thunder_fp8shard.layout import bucket_layout, packed_offsets
 
 
 class Holder:
@@ -39,9 +40,19 @@ def holder_kind():
     payload._BY_NAME.pop(HolderPayload.name)
 
 
+def _shard(group, buckets):
+    """One shard op over ``buckets`` (lists of objects) on a one-rank group: the shard and a restorer a bucket."""
+    sizes = [bucket_layout([payload.nbytes(o.data if isinstance(o, Holder) else o) for o in objs], 1).shard_nbytes
+             for objs in buckets]
+    offsets, total = packed_offsets(sizes)
+    names = tuple(tuple(f"t{i}" for i in range(len(objs))) for objs in buckets)
+    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), group, 1, total, "slice", False, names)
+    return shard, restorers, offsets, sizes
+
+
 def _round_trip(group, objs):
-    shard, restorer = ops._shard_impl(tuple(objs), group, 1, 0, "slice", False, tuple(f"t{i}" for i in range(len(objs))))
-    handle = ops._gather_start_impl(shard, group)
+    shard, (restorer,), _, _ = _shard(group, [objs])
+    handle = ops._gather_start_impl(shard, 0, shard.numel(), group)
     return restorer, ops._gather_wait_impl(handle, restorer)
 
 
@@ -68,4 +79,47 @@ def test_the_restorer_keeps_nothing_alive_after_the_wait(single_rank_group):
     assert alive() is None, "the restorer still references the restored object"
     assert restorer.members == ()
     with pytest.raises(RuntimeError, match="restored twice"):
-        ops._gather_wait_impl(ops._gather_start_impl(torch.zeros(64, dtype=torch.uint8), single_rank_group), restorer)
+        ops._gather_wait_impl(ops._gather_start_impl(torch.zeros(64, dtype=torch.uint8), 0, 64, single_rank_group),
+                              restorer)
+
+
+def test_one_shard_op_keeps_several_buckets_and_each_comes_back_from_its_offset(single_rank_group):
+    a, b, c = torch.randn(3, 5), torch.arange(7, dtype=torch.int16), torch.randn(2, 2, dtype=torch.float64)
+    expected = [t.clone() for t in (a, b, c)]
+    shard, restorers, offsets, sizes = _shard(single_rank_group, [[a, b], [c]])
+    # a at 0, b at 256 (aligned) in the first bucket; the second bucket's shard packed right after: at 270
+    assert shard.numel() == 270 + 32 and offsets == (0, 270) and sizes == [270, 32]
+    (ra, rb) = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, 270, single_rank_group), restorers[0])
+    (rc,) = ops._gather_wait_impl(ops._gather_start_impl(shard, 270, 32, single_rank_group), restorers[1])
+    assert all(torch.equal(x, y) for x, y in zip((ra, rb, rc), expected))
+
+
+def test_a_shard_op_refuses_payloads_of_another_size_than_planned(single_rank_group):
+    with pytest.raises(RuntimeError, match="the plan said 8 B"):
+        ops._shard_impl(((torch.zeros(4),),), single_rank_group, 1, 8, "slice", False, (("t0",),))
+
+
+def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[bool]:
+    """Every rank holds the same tensors (odd sizes: padding, pieces across segment borders); one shard op keeps
+    two buckets; each bucket is gathered back from its offset and must equal the original on every rank."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    originals = [torch.randn(5, 7), torch.arange(11, dtype=torch.int16), torch.randn(3, 3, dtype=torch.float64)]
+    buckets = [[t.clone() for t in originals[:2]], [originals[2].clone()]]
+    sizes = [bucket_layout([payload.nbytes(t) for t in b], world_size).shard_nbytes for b in buckets]
+    offsets, total = packed_offsets(sizes)
+    group = dist.group.WORLD
+    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), group, world_size, total, method, False,
+                                        (("a", "b"), ("c",)))
+    assert shard.numel() == total
+    back = [t for off, n, r in zip(offsets, sizes, restorers)
+            for t in ops._gather_wait_impl(ops._gather_start_impl(shard, off, n, group), r)]
+    return [torch.equal(x, y) for x, y in zip(back, originals)]
+
+
+@pytest.mark.parametrize("method", ["slice", "reduce_scatter"])
+def test_a_shard_op_of_two_buckets_round_trips_on_three_ranks(method):
+    from thunder_fp8shard.harness import run_on_ranks
+
+    assert run_on_ranks(_shard_and_gather_on_ranks, 3, method) == [[True, True, True]] * 3

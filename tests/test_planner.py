@@ -5,6 +5,7 @@ import pytest
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Decision, ShardPlan
+from thunder_fp8shard.grouping import place, shard_op_nbytes
 from thunder_fp8shard.planner import MemoryModel, Placement, choose, schedule
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
@@ -94,14 +95,56 @@ def test_plan_renders_a_table_with_every_candidate_and_its_reason():
         plan.decision("nope")
 
 
-def test_buckets_group_tensors_in_backward_order_up_to_bucket_bytes():
+def test_a_bucket_that_would_raise_the_backward_peak_is_not_formed():
+    # merged, W2 and W1 would be gathered together at step 6, so 296 B (aligned) live at the spike at step 7
     buckets = schedule(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, world_size=2)
-    assert [(b.members, b.shard_at, b.gather_at, b.first_use) for b in buckets] == [(("W2", "W1"), 3, 6, 6)]
+    assert [(b.members, b.shard_op) for b in buckets] == [(("W2",), 0), (("W1",), 1)]
+    assert MODEL.evaluate(buckets).peak_bytes == 320
+
+
+def test_place_lays_a_bucket_out_and_times_its_shard_and_gather():
+    (w1, w2) = SOUND[:2]
+    buckets = place([[w2, w1]], [0], MODEL, prefetch=0, world_size=2)
+    assert [(b.members, b.shard_at, b.gather_at, b.first_use, b.shard_until) for b in buckets] == [(("W2", "W1"), 3, 6, 6, 6)]
     # W2 at byte 0, W1 at byte 256 (aligned): 296 bytes, 148 per rank
     assert (buckets[0].nbytes, buckets[0].shard_nbytes, buckets[0].gathered_nbytes) == (80, 148, 296)
-    singles = schedule(SOUND[:2], MODEL, prefetch=0, bucket_bytes=79, world_size=2)
-    assert [b.members for b in singles] == [("W2",), ("W1",)]
     after = MODEL.evaluate(buckets)
     # both full copies end at the bucket's shard point (3); one shard lives to 6; one gathered buffer to W1's end (8)
     assert after.live_bytes[4] == 100 + 148 + 40  # X, the shard, W3 (not sharded)
     assert after.live_bytes[7] == 100 + 296 + 200
+
+
+def test_one_shard_op_can_keep_several_buckets_until_the_last_wait():
+    (w1, w2) = SOUND[:2]
+    buckets = place([[w2], [w1]], [0, 0], MODEL, prefetch=0, world_size=2)
+    assert [(b.shard_op, b.shard_offset, b.shard_at, b.shard_until) for b in buckets] == [(0, 0, 3, 8), (0, 20, 3, 8)]
+    assert shard_op_nbytes(buckets) == {0: 40}
+    after = MODEL.evaluate(buckets)
+    # step 7: X, G, W1's 20 B shard, and W2's 20 B shard, held in the same tensor until W1's wait at 8
+    assert after.live_bytes[7] == 100 + 200 + 20 + 20
+
+
+# steps 0-4 forward, 5-9 backward. X (1000 B) lives throughout; an activation A (3000 B) lives [3, 6], so both peaks
+# are A's. W1 and W2 (512 B) are last used in forward at 1 and 2, first in backward at 9 and 8: long after A is freed.
+FREE_STEPS = tuple(Step(i, "forward" if i < 5 else "backward", f"op{i}") for i in range(10))
+FREE_LIVES = {
+    "X": Life("X", ("X",), 1000, 0, 9),
+    "W1": Life("W1", ("W1",), 512, 1, 9),
+    "W2": Life("W2", ("W2",), 512, 2, 8),
+    "A": Life("A", ("A",), 3000, 3, 6),
+}
+FREE_MODEL = MemoryModel(FREE_LIVES, FREE_STEPS, {"W1": Placement("W1", 1, 9), "W2": Placement("W2", 2, 8)},
+                         compute=(True,) * 10)
+FREE_SOUND = [Decision(n, (512,), "float8_e4m3fn", "float8", 512, True, True, "", 256) for n in ("W1", "W2")]
+
+
+def test_buckets_grow_where_the_model_says_it_costs_no_peak():
+    singles = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, world_size=2)
+    merged = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1024, world_size=2)
+    assert [b.members for b in singles] == [("W2",), ("W1",)]
+    assert [(b.members, b.shard_at, b.gather_at) for b in merged] == [(("W2", "W1"), 2, 8)]
+    assert FREE_MODEL.evaluate(merged).peak_bytes == FREE_MODEL.evaluate(singles).peak_bytes == 1000 + 3000 + 512
+    # the gathered 1,024 B at steps 8-9 stay below A's peak
+    assert FREE_MODEL.evaluate(merged).live_bytes[8] == 1000 + 1024 + 512
+    too_small = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1023, world_size=2)
+    assert [b.members for b in too_small] == [("W2",), ("W1",)]

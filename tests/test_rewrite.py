@@ -7,8 +7,8 @@ from thunder.core.proxies import AnyProxy
 from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard import ops
-from thunder_fp8shard.layout import bucket_layout
-from thunder_fp8shard.rewrite import BucketRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.layout import bucket_layout, packed_offsets
+from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved
 
 WORLD = 2
@@ -18,16 +18,23 @@ def _weight_copies(fw):
     return [p for p in forward_saved(fw)[0] if p.dtype == dtypes.float8_e4m3fn and p.shape[0] != 3]
 
 
-def _requests(fw, together: bool):
+def _requests(fw, together: bool, one_op: bool = False):
+    """One bucket and one shard op a tensor; one bucket of all (``together``); or a bucket a tensor, all kept by one
+    shard op (``one_op``)."""
     copies = _weight_copies(fw)
     groups = [copies] if together else [[p] for p in copies]
-    return [BucketRequest(tuple(g), bucket_layout([p.numel for p in g], WORLD).shard_nbytes) for g in groups]
+    sizes = [bucket_layout([p.numel for p in g], WORLD).shard_nbytes for g in groups]
+    if one_op:
+        offsets, total = packed_offsets(sizes)
+        buckets = tuple(BucketRequest(tuple(g), off, n) for g, off, n in zip(groups, offsets, sizes))
+        return [ShardOpRequest(buckets, total)]
+    return [ShardOpRequest((BucketRequest(tuple(g), 0, n),), n) for g, n in zip(groups, sizes)]
 
 
-def _rewrite(fsdp_traces, prefetch, together=False):
+def _rewrite(fsdp_traces, prefetch, together=False, one_op=False):
     fw, bw, group = fsdp_traces
-    new_fw = rewrite_forward(fw, _requests(fw, together), group=group, world_size=WORLD, method="slice", verify=False,
-                             provenance="fwd test")
+    new_fw = rewrite_forward(fw, _requests(fw, together, one_op), group=group, world_size=WORLD, method="slice",
+                             verify=False, provenance="fwd test")
     new_bw, gathers = rewrite_backward(bw, new_fw, group=group, prefetch=prefetch, provenance="bwd test")
     return fw, bw, new_fw, new_bw, gathers
 
@@ -79,7 +86,7 @@ def test_saved_lists_keep_their_positional_contract(fsdp_traces, together):
     bw_t, bw_o = backward_saved(new_bw)
     assert [p.name for p in fw_t] == [p.name for p in bw_t]
     assert [p.name for p in fw_o] == [p.name for p in bw_o]
-    assert len(fw_t) == len(forward_saved(fw)[0]) - sum(len(s.originals) - 1 for s in new_fw.sharded)
+    assert len(fw_t) == len(forward_saved(fw)[0]) - sum(len(s.originals) for s in new_fw.sharded) + len(new_fw.shards)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -121,4 +128,25 @@ def test_a_bucket_is_gathered_once_and_restores_all_its_members_before_the_first
     first = min(i for i, b in enumerate(bsyms) if _uses(b) & restored)
     assert w < first and all(b.sym.id == PrimIDs.DEL for b in bsyms[w + 1 : first])
     assert str(bsyms[w].output[0].name) in str(new_bw)  # the tuple-returning wait prints and runs as Python
+    _assert_no_use_after_del(new_bw)
+
+
+def test_one_shard_op_keeps_several_buckets_in_one_tensor_and_each_is_gathered_from_its_offset(fsdp_traces):
+    fw, _, new_fw, new_bw, gathers = _rewrite(fsdp_traces, prefetch=1, one_op=True)
+    fwd = new_fw.trace.bound_symbols
+    (op,) = [b for b in fwd if b.sym is ops.shard]
+    (shard,) = new_fw.shards
+    assert len(new_fw.sharded) == 3 and all(s.shard is shard for s in new_fw.sharded)
+    # (64, 24), (45, 64), (7, 45): shards of 768, 1440 and 158 bytes, packed
+    assert [(s.shard_offset, s.shard_nbytes) for s in new_fw.sharded] == [(0, 768), (768, 1440), (2208, 158)]
+    assert shard.shape == (2366,) and op.flat_proxy_outs[0] is shard
+    # after the last forward use of all members; the saved list holds the one shard and a restorer a bucket
+    saved_tensors, saved_other = forward_saved(new_fw.trace)
+    assert [p.name for p in saved_tensors].count(shard.name) == 1
+    assert [p.name for p in saved_other] == [s.restorer.name for s in new_fw.sharded]
+    starts = [b for b in new_bw.bound_symbols if b.sym is ops.gather_start]
+    assert len(starts) == len(gathers) == 3
+    assert sorted((b.args[1], b.args[2]) for b in starts) == [(0, 768), (768, 1440), (2208, 158)]
+    assert all(b.args[0].name == shard.name for b in starts)
+    _assert_no_use_after_del(new_fw.trace)
     _assert_no_use_after_del(new_bw)

@@ -89,11 +89,11 @@ def _assert_bitwise_equal_and_nonzero(without, with_):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL, one GPU a rank)")
-@pytest.mark.parametrize("options", [{}, {"bucket_bytes": 256 * 2**20, "comm": "dedicated"}], ids=["defaults", "buckets"])
+@pytest.mark.parametrize("options", [{}, {"bucket_bytes": 0, "comm": "dedicated"}], ids=["defaults", "singles"])
 def test_llama_zero3_te_nccl_two_gpus_bitwise(options):
     """NCCL, one GPU a rank, different data per rank, decomposed attention: losses and every gradient of three
-    AdamW steps are bitwise equal with and without the pass (one tensor a bucket on FSDP's group; 256 MiB buckets
-    on a dedicated group), and every gradient is non-zero."""
+    AdamW steps are bitwise equal with and without the pass (the defaults: buckets and shard ops grouped on the
+    memory model, on FSDP's group; or one tensor a bucket on a dedicated group), and every gradient is non-zero."""
     without, with_ = _run(False, "nccl"), _run(True, "nccl", **options)
     _assert_bitwise_equal_and_nonzero(without, with_)
     plan = with_[0]["plan"]

@@ -72,3 +72,15 @@ def _bucket_layout(sizes: tuple[int, ...], world_size: int) -> BucketLayout:
         offsets.append(start)
         end = start + size
     return BucketLayout(tuple(offsets), sizes, world_size)
+
+
+def packed_offsets(sizes: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+    """Offsets of segments packed back to back, and the total: how one shard op keeps the shards of its buckets (no
+    gaps, so the shard is one copy of its pieces and its bytes are exactly the shards'; the shards of real weights
+    are multiples of 256 bytes anyway)."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += int(size)
+    return tuple(offsets), end
+

@@ -83,6 +83,8 @@ class ShardedGroup:
     shard_at: int  # step after which the full storages are replaced by the shard (their last forward use)
     gather_at: int  # step where the all-gather is issued in backward (the full buffer is allocated here)
     first_use: int  # first backward consumer of any member (the wait is just before it)
+    shard_until: int | None = None  # last step the shard is held (default ``first_use``; a shard op serving several
+    # buckets keeps one shard for all of them, until the wait of the last)
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,7 @@ def with_sharding(
     lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedGroup]
 ) -> dict[str, Life]:
     """The lives after sharding: each group's storages end at ``shard_at``; ``"<group>.shard"``
-    (``shard_nbytes``) lives [shard_at, first_use]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all
+    (``shard_nbytes``) lives [shard_at, shard_until]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all
     its storages, whose backward uses it serves) lives [gather_at, the last end of its storages]. Raises
     ``ValueError`` for an order that the pass cannot produce.
     """
@@ -313,13 +315,14 @@ def with_sharding(
     for s in groups:
         members = [lives[n] for n in s.lives]
         in_fw, in_bw = steps[s.shard_at].phase == "forward", steps[s.gather_at].phase == "backward"
-        ok = in_fw and in_bw and s.shard_at < s.gather_at <= s.first_use
+        until = s.first_use if s.shard_until is None else s.shard_until
+        ok = in_fw and in_bw and s.shard_at < s.gather_at <= s.first_use <= until
         if not (ok and members and all(m.start <= s.shard_at and s.first_use <= m.end for m in members)):
             spans = ", ".join(f"{m.name} [{m.start}, {m.end}]" for m in members)
             raise ValueError(f"cannot shard {spans} as {s}")
         for m in members:
             out[m.name] = replace(m, end=s.shard_at)
-        out[f"{s.name}.shard"] = Life(f"{s.name}.shard", (), s.shard_nbytes, s.shard_at, s.first_use)
+        out[f"{s.name}.shard"] = Life(f"{s.name}.shard", (), s.shard_nbytes, s.shard_at, until)
         everyone = tuple(n for m in members for n in m.members)
         out[f"{s.name}.gathered"] = Life(f"{s.name}.gathered", everyone, s.gathered_nbytes, s.gather_at,
                                          max(m.end for m in members))

@@ -1,7 +1,9 @@
 """Run-time operators the rewrite inserts: small Thunder operators (meta + Python implementation), one call per bucket.
 
-Forward:  ``shard, restorer = fp8shard_shard((t1, ..., tk), group, world_size, shard_nbytes, method, verify, names)``
-Backward: ``handle = fp8shard_gather_start(shard, group)`` (issues the all-gather) and later
+Forward:  ``shard, r1, ..., rb = fp8shard_shard(((t1, ..., tk), ...), group, world_size, shard_nbytes, method, verify,
+          names)``: one call keeps this rank's shards of ``b`` buckets in one tensor (packed back to back), and a
+          restorer per bucket.
+Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, group)`` (issues one bucket's all-gather) and later
           ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view of the gathered
           buffer, see :mod:`thunder_fp8shard.layout`).
 
@@ -25,7 +27,7 @@ from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.extend import OperatorExecutor
 
 from thunder_fp8shard import payload
-from thunder_fp8shard.layout import BucketLayout, bucket_layout
+from thunder_fp8shard.layout import BucketLayout, bucket_layout, packed_offsets
 
 executor = OperatorExecutor("fp8shard")
 
@@ -54,44 +56,59 @@ class Restorer:
         return members
 
 
-# ---- forward: keep 1/N of a bucket of replicated payloads ---------------------------------------------------------
+# ---- forward: keep 1/N of one or more buckets of replicated payloads ------------------------------------------------
 
 
-def _shard_meta(objs, group, world_size: int, shard_nbytes: int, method: str, verify: bool, names):
-    shard = TensorProxy(like=objs[0], shape=(shard_nbytes,), dtype=dtypes.uint8, requires_grad=False)
-    return shard, AnyProxy(Restorer((), bucket_layout((), 1)), prefix="restore")  # the object only names the type
+def _shard_meta(buckets, group, world_size: int, shard_nbytes: int, method: str, verify: bool, names):
+    shard = TensorProxy(like=buckets[0][0], shape=(shard_nbytes,), dtype=dtypes.uint8, requires_grad=False)
+    restorers = (AnyProxy(Restorer((), bucket_layout((), 1)), prefix="restore") for _ in buckets)  # names the type
+    return (shard, *restorers)
 
 
-def _shard_impl(objs, group, world_size: int, shard_nbytes: int, method: str, verify: bool, names):
+def _shard_impl(buckets, group, world_size: int, shard_nbytes: int, method: str, verify: bool, names):
     with _annotate("fp8shard_shard"):
-        buffers, members = [], []
-        for obj, name in zip(objs, names):
-            member_buffers, member = payload.take(obj)
-            if verify:
-                check_identical_across_ranks([payload.as_bytes(b) for b in member_buffers], group, name)
-            buffers += member_buffers
-            members.append(member)
-        layout = bucket_layout([payload.nbytes(b) for b in buffers], world_size)
-        device = buffers[0].device
+        restorers, all_buffers = [], []
+        for objs, bucket_names in zip(buckets, names):
+            buffers, members = [], []
+            for obj, name in zip(objs, bucket_names):
+                member_buffers, member = payload.take(obj)
+                if verify:
+                    check_identical_across_ranks([payload.as_bytes(b) for b in member_buffers], group, name)
+                buffers += member_buffers
+                members.append(member)
+            restorers.append(Restorer(tuple(members), bucket_layout([payload.nbytes(b) for b in buffers], world_size)))
+            all_buffers.append(buffers)
+        offsets, total = packed_offsets([r.layout.shard_nbytes for r in restorers])  # each bucket's shard
+        if total != shard_nbytes:
+            raise RuntimeError(f"ShardIntermediates: the shard op's payload is {total:,} B a rank, the plan "
+                               f"said {shard_nbytes:,} B (did a saved tensor change shape or dtype?)")
+        device = all_buffers[0][0].device
         if method == "reduce_scatter":
-            full = torch.zeros(layout.gathered_nbytes, dtype=torch.uint8, device=device)
-            for b, off, size in zip(buffers, layout.offsets, layout.sizes):
-                full[off : off + size].copy_(payload.as_bytes(b))
-            shard = torch.empty(layout.shard_nbytes, dtype=torch.uint8, device=device)
-            # identical replicas: MAX of equal bytes is those bytes
-            dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.MAX, group=group)
-            return shard, Restorer(tuple(members), layout)
+            shard = torch.empty(shard_nbytes, dtype=torch.uint8, device=device)
+            for r, buffers, at in zip(restorers, all_buffers, offsets):
+                full = torch.zeros(r.layout.gathered_nbytes, dtype=torch.uint8, device=device)
+                for b, off, size in zip(buffers, r.layout.offsets, r.layout.sizes):
+                    full[off : off + size].copy_(payload.as_bytes(b))
+                # identical replicas: MAX of equal bytes is those bytes
+                dist.reduce_scatter_tensor(shard[at : at + r.layout.shard_nbytes], full, op=dist.ReduceOp.MAX,
+                                           group=group)
+            return (shard, *restorers)
         # only the bytes this rank keeps are read; the copy is a fresh allocation, so the full buffers are freed
-        # once the forward drops them
-        pieces = layout.pieces(dist.get_rank(group))
-        if len(pieces) == 1 and pieces[0][3] == 0 and pieces[0][2] - pieces[0][1] == layout.shard_nbytes:
-            k, start, stop, _ = pieces[0]  # the common case: the shard is one slice of one buffer
-            shard = payload.as_bytes(buffers[k])[start:stop].clone()
-        else:  # several buffers, or the padded tail (padding and alignment gaps stay uninitialized)
-            shard = torch.empty(layout.shard_nbytes, dtype=torch.uint8, device=device)
-            for k, start, stop, at in pieces:
-                shard[at : at + stop - start].copy_(payload.as_bytes(buffers[k])[start:stop])
-        return shard, Restorer(tuple(members), layout)
+        # once the forward drops them. The common case is one copy kernel: the pieces tile the shard exactly.
+        rank = dist.get_rank(group)
+        pieces, tiled = [], 0  # (source bytes, offset in the shard)
+        for r, buffers, at in zip(restorers, all_buffers, offsets):
+            for k, start, stop, off in r.layout.pieces(rank):
+                pieces.append((payload.as_bytes(buffers[k])[start:stop], at + off))
+        for src, off in pieces:
+            tiled = tiled + src.numel() if off == tiled else -1
+        if tiled == shard_nbytes:
+            shard = pieces[0][0].clone() if len(pieces) == 1 else torch.cat([src for src, _ in pieces])
+        else:  # the padded tail, or alignment gaps (left uninitialized: they are never read back)
+            shard = torch.empty(shard_nbytes, dtype=torch.uint8, device=device)
+            for src, off in pieces:
+                shard[off : off + src.numel()].copy_(src)
+        return (shard, *restorers)
 
 
 shard = executor.register_operator("fp8shard_shard", meta=_shard_meta, fn=_shard_impl)
@@ -125,14 +142,15 @@ class GatherHandle(NamedTuple):
     buffer: torch.Tensor
 
 
-def _gather_start_meta(shard, group):
+def _gather_start_meta(shard, offset: int, nbytes: int, group):
     return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
 
 
-def _gather_start_impl(shard: torch.Tensor, group) -> GatherHandle:
+def _gather_start_impl(shard: torch.Tensor, offset: int, nbytes: int, group) -> GatherHandle:
     with _annotate("fp8shard_gather_start"):
-        out = torch.empty(shard.numel() * dist.get_world_size(group), dtype=torch.uint8, device=shard.device)
-        return GatherHandle(dist.all_gather_into_tensor(out, shard, group=group, async_op=True), out)
+        mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
+        out = torch.empty(nbytes * dist.get_world_size(group), dtype=torch.uint8, device=shard.device)
+        return GatherHandle(dist.all_gather_into_tensor(out, mine, group=group, async_op=True), out)
 
 
 gather_start = executor.register_operator("fp8shard_gather_start", meta=_gather_start_meta, fn=_gather_start_impl)

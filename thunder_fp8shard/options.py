@@ -25,10 +25,12 @@ class ShardOptions:
     budget_bytes: per-rank peak target for ``policy="budget"``.
     prefetch: how many buckets ahead of its use each backward all-gather is issued. 0 issues it just before its
         first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
-    bucket_bytes: sharded tensors are grouped, in backward order, into buckets of at most this many payload bytes
-        (a bucket holds at least one tensor): one shard op in forward, one all-gather in backward per bucket, fewer
-        operators for the CPU to run. 0 (the default) gives one bucket per tensor: on the GPU, 256 MiB buckets cost
-        0.19 GB of the 3.18 GB saved on Llama-2-7b (more bytes gathered at once at the start of the backward).
+    bucket_bytes: the most payload bytes one backward all-gather (a bucket) or one forward shard op handles.
+        Tensors are taken in order of first backward use; each joins the current bucket, or else the current shard
+        op, only where the memory model predicts that neither the forward's nor the backward's peak rises (see
+        :mod:`thunder_fp8shard.grouping`): buckets stay one tensor near the backward's peak and grow to whole
+        layers further on, so the step runs fewer operators at no predicted memory cost. 0 gives one tensor a
+        bucket and a shard op. Default 256 MiB.
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
         all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
@@ -42,7 +44,7 @@ class ShardOptions:
     policy: str = "all"
     budget_bytes: int | None = None
     prefetch: int = 1
-    bucket_bytes: int = 0
+    bucket_bytes: int = 256 << 20
     comm: str = "shared"
 
     def __post_init__(self) -> None:

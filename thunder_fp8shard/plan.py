@@ -44,6 +44,9 @@ class Bucket:
     shard_at: int  # the last forward use of any member; the shard is taken right after
     gather_at: int  # where its all-gather is issued
     first_use: int  # the first backward use of any member; the wait is right before
+    shard_op: int = 0  # index of the forward shard op that keeps this bucket's shard (one op can serve several)
+    shard_offset: int = 0  # where this bucket's shard starts in that op's output (bytes)
+    shard_until: int | None = None  # last step that op's shard is held: the wait of its last bucket
 
 
 @dataclass
@@ -96,8 +99,8 @@ class ShardPlan:
             f"ShardIntermediates plan: {self.integration or 'no distributed setup'}, world size {self.world_size}, "
             f"method {self.method}, policy {self.policy}, "
             f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
-            + (f"in {len(self.buckets)} bucket(s) of at most {_fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes
-               else "one tensor a bucket")
+            + (f"in {len(self.buckets)} bucket(s) kept by {len({b.shard_op for b in self.buckets})} shard op(s), "
+               f"each of at most {_fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
             + f", on {'a dedicated' if self.comm == 'dedicated' else 'its own'} process group; "
             f"the pass took {self.pass_seconds:.2f} s",
             fmt(header),

@@ -1,19 +1,21 @@
 """The planner: decides, for every candidate, whether to shard it, and says why. Pure functions over plain data.
 
 ``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage);
-``schedule`` groups the sharded tensors into buckets (consecutive in backward order, at most ``bucket_bytes`` each:
-one shard, one all-gather per bucket) and places each bucket's shard point, all-gather and first use on the joint
+``schedule`` groups the sharded tensors into buckets (one all-gather each) and shard ops (see
+:mod:`thunder_fp8shard.grouping`) and places each bucket's shard point, all-gather and first use on the joint
 timeline; ``choose`` applies the policy (all sound candidates, only those lowering the predicted peak, or the least
 all-gather traffic meeting a byte budget) by evaluating the memory model of :mod:`thunder_fp8shard.liveness`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
 from thunder.core.trace import TraceCtx
 
+from thunder_fp8shard import grouping
 from thunder_fp8shard.candidates import Candidate
 from thunder_fp8shard.layout import bucket_layout
 from thunder_fp8shard.liveness import (
@@ -45,7 +47,14 @@ class MemoryModel:
 
     def compute_steps_between(self, first: int, last: int) -> int:
         """Compute steps strictly between two steps."""
-        return sum(self.compute[first + 1 : last])
+        if last <= first + 1:
+            return 0
+        return int(self._compute_before[last] - self._compute_before[first + 1])
+
+    @functools.cached_property
+    def _compute_before(self) -> np.ndarray:
+        """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
+        return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
     def evaluate(self, buckets: list[Bucket]) -> Timeline:
         """The predicted timeline when ``buckets`` (from :func:`schedule`) are sharded."""
@@ -54,7 +63,7 @@ class MemoryModel:
     def _group(self, b: Bucket) -> ShardedGroup:
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
         return ShardedGroup(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
-                            b.first_use)
+                            b.first_use, b.shard_until)
 
     @property
     def backward_body_start(self) -> int:
@@ -91,35 +100,9 @@ def soundness(
 def schedule(
     chosen: list[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int
 ) -> list[Bucket]:
-    """Buckets of the chosen tensors, as :mod:`thunder_fp8shard.rewrite` will build them.
-
-    Tensors are taken in order of first backward use; a bucket closes when the next tensor would take it past
-    ``bucket_bytes`` (a bucket holds at least one tensor). Its shard is taken after the last forward use of any
-    member; it is gathered before the first backward use of any member; its all-gather is issued at the first use
-    of the bucket ``prefetch`` places earlier (or at the start of the backward).
-    """
-    placements = model.placements
-    order = sorted(chosen, key=lambda d: placements[d.name].first_use)
-    groups: list[list[Decision]] = []
-    filled = 0
-    for d in order:
-        if groups and filled + d.nbytes <= bucket_bytes:
-            groups[-1].append(d)
-            filled += d.nbytes
-        else:
-            groups.append([d])
-            filled = d.nbytes
-    first_uses = [placements[g[0].name].first_use for g in groups]
-    buckets = []
-    for j, g in enumerate(groups):
-        layout = bucket_layout([d.nbytes for d in g], world_size)
-        buckets.append(Bucket(
-            index=j, members=tuple(d.name for d in g), nbytes=sum(d.nbytes for d in g),
-            shard_nbytes=layout.shard_nbytes, gathered_nbytes=layout.gathered_nbytes,
-            shard_at=max(placements[d.name].shard_at for d in g), first_use=first_uses[j],
-            gather_at=first_uses[j - prefetch] if j >= prefetch else model.backward_body_start,
-        ))
-    return buckets
+    """Buckets and shard ops of the chosen tensors, as :mod:`thunder_fp8shard.rewrite` will build them: grouped on the
+    memory model by :func:`thunder_fp8shard.grouping.group` (one tensor a bucket when ``bucket_bytes`` is 0)."""
+    return grouping.group(chosen, model, prefetch=prefetch, bucket_bytes=bucket_bytes, world_size=world_size)
 
 
 def choose(

@@ -1,4 +1,5 @@
-"""The mechanical rewrite: forward keeps one 1/N shard per bucket in the saved list, backward all-gathers it back.
+"""The mechanical rewrite: forward keeps one 1/N shard per shard op (one or more buckets) in the saved list, backward
+all-gathers each bucket back.
 
 Both functions return new traces (the inputs are not modified) with dels regenerated and a provenance line.
 """
@@ -24,9 +25,19 @@ from thunder_fp8shard.saved import backward_saved, forward_saved
 
 @dataclass(frozen=True)
 class BucketRequest:
-    """Saved tensors to shard together (one shard, one all-gather), and the bytes of this rank's shard."""
+    """Saved tensors all-gathered together (one all-gather), and where this rank's shard of them lies in its shard
+    op's output."""
 
     members: tuple[TensorProxy, ...]
+    shard_offset: int
+    shard_nbytes: int
+
+
+@dataclass(frozen=True)
+class ShardOpRequest:
+    """One forward shard op: the buckets whose shards it keeps in one tensor of ``shard_nbytes`` bytes a rank."""
+
+    buckets: tuple[BucketRequest, ...]
     shard_nbytes: int
 
 
@@ -35,7 +46,9 @@ class ShardedBucket:
     """What the forward hands to the backward for one bucket."""
 
     originals: tuple[TensorProxy, ...]  # the proxies the backward consumes; the wait re-creates them
-    shard: TensorProxy  # what is saved instead (flat uint8)
+    shard: TensorProxy  # what is saved instead (flat uint8; shared by the buckets of one shard op)
+    shard_offset: int  # this bucket's bytes in ``shard``
+    shard_nbytes: int
     restorer: AnyProxy  # saved alongside, in the non-tensor list
 
 
@@ -43,42 +56,48 @@ class ShardedBucket:
 class ForwardRewrite:
     trace: TraceCtx
     sharded: tuple[ShardedBucket, ...]
+    shards: tuple[TensorProxy, ...]  # one per shard op
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
 
 
 def rewrite_forward(
-    fw: TraceCtx, buckets: list[BucketRequest], *, group, world_size: int, method: str, verify: bool, provenance: str
+    fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, world_size: int, method: str, verify: bool,
+    provenance: str,
 ) -> ForwardRewrite:
-    """Inserts one ``fp8shard_shard`` per bucket after the last forward use of its members and saves the shard
-    instead of them."""
+    """Inserts each ``fp8shard_shard`` after the last forward use of any member of its buckets and saves its shard
+    (and a restorer per bucket) instead of them."""
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    last_use = _last_forward_use(body, {p.name for r in buckets for p in r.members})
+    last_use = _last_forward_use(body, {p.name for op in shard_ops for r in op.buckets for p in r.members})
     new = from_trace(fw)
     inserted_after: dict[int, list[BoundSymbol]] = {}
     sharded: list[ShardedBucket] = []
+    shards = []
     with tracectx(new):
-        for r in buckets:
+        for op in shard_ops:
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            names = tuple(p.name for p in r.members)
-            shard, restorer = ops.shard(r.members, group, world_size, r.shard_nbytes, method, verify, names)
+            members = tuple(r.members for r in op.buckets)
+            names = tuple(tuple(p.name for p in m) for m in members)
+            shard, *restorers = ops.shard(members, group, world_size, op.shard_nbytes, method, verify, names)
             new.pop_scope()
-            inserted_after.setdefault(max(last_use[n] for n in names), []).extend(scope)
-            sharded.append(ShardedBucket(tuple(r.members), shard, restorer))
+            inserted_after.setdefault(max(last_use[n] for m in names for n in m), []).extend(scope)
+            shards.append(shard)
+            sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer)
+                        for r, restorer in zip(op.buckets, restorers)]
     new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
 
     gone = {p.name for s in sharded for p in s.originals}
     saved_tensors, saved_other = forward_saved(fw)
     saved = (
         *(p for p in saved_tensors if p.name not in gone),
-        *(s.shard for s in sharded),
+        *shards,
         *saved_other,
         *(s.restorer for s in sharded),
     )
     _update_forward_with_new_saved_for_backward(new, saved)
     out = del_last_used(new)
     out.set_provenance(TraceProvenance(provenance))
-    return ForwardRewrite(out, tuple(sharded), saved)
+    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved)
 
 
 def rewrite_backward(
@@ -91,8 +110,8 @@ def rewrite_backward(
     backward. Returns the new trace and, for each gather in issue order, its index among the new bound symbols.
     """
     saved_tensors, _ = backward_saved(bw)
-    if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) + sum(
-        len(s.originals) - 1 for s in handoff.sharded
+    if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) - len(handoff.shards) + sum(
+        len(s.originals) for s in handoff.sharded
     ):
         raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
     body = [
@@ -112,7 +131,7 @@ def rewrite_backward(
             s = handoff.sharded[i]
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            handle = ops.gather_start(s.shard, group)
+            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, group)
             new.pop_scope()
             issue_at = starts[order[j - prefetch]] if j >= prefetch else 0
             before.setdefault(issue_at, []).extend(scope)

@@ -25,7 +25,8 @@ from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import choose, memory_model, soundness
 from thunder_fp8shard.replication import analyze_replication
-from thunder_fp8shard.rewrite import BucketRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.grouping import shard_op_nbytes
+from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, numel, tensor_nbytes
 
 log = logging.getLogger(__name__)
@@ -99,17 +100,18 @@ class ShardIntermediates(Transform):
         if requests:
             o = self.options
             group = self._shard_group(setup.group)
-            n = sum(len(r.members) for r in requests)
+            n = sum(len(r.members) for op in requests for r in op.buckets)
+            n_buckets = sum(len(op.buckets) for op in requests)
             new_fw = rewrite_forward(
                 fw, requests, group=group, world_size=world_size, method=o.method, verify=o.verify,
-                provenance=f"ShardIntermediates: {n} saved tensors kept as 1/{world_size} shards in {len(requests)} "
-                f"bucket(s) ({o.method})",
+                provenance=f"ShardIntermediates: {n} saved tensors kept as 1/{world_size} shards of {n_buckets} "
+                f"bucket(s) by {len(requests)} shard op(s) ({o.method})",
             )
             pending.stand_in.bound_symbols = new_fw.trace.bound_symbols
             pending.stand_in.set_provenance(new_fw.trace.get_provenance())
             new_bw, _ = rewrite_backward(
                 bw, new_fw, group=group, prefetch=o.prefetch,
-                provenance=f"ShardIntermediates: {len(requests)} bucket(s) all-gathered (prefetch {o.prefetch})",
+                provenance=f"ShardIntermediates: {n_buckets} bucket(s) all-gathered (prefetch {o.prefetch})",
             )
         plan.pass_seconds = pending.seconds + time.perf_counter() - start
         self._record(plan)
@@ -120,7 +122,7 @@ class ShardIntermediates(Transform):
         return ShardPlan(setup.world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes,
                          comm=o.comm, integration=setup.name, notes=list(setup.notes))
 
-    def _plan(self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration) -> tuple[ShardPlan, list[BucketRequest]]:
+    def _plan(self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration) -> tuple[ShardPlan, list[ShardOpRequest]]:
         o, world_size = self.options, setup.world_size
         candidates = find_candidates(fw, o.candidates)
         te_names = te_quantized_names(fw)
@@ -145,7 +147,12 @@ class ShardIntermediates(Transform):
             if "cannot be met" in note:
                 warnings.warn(f"ShardIntermediates: {note}", stacklevel=2)
         proxy_of = {c.name: c.proxy for c in candidates}
-        return plan, [BucketRequest(tuple(proxy_of[n] for n in b.members), b.shard_nbytes) for b in buckets]
+        by_op: dict[int, list[BucketRequest]] = {}
+        for b in buckets:
+            by_op.setdefault(b.shard_op, []).append(
+                BucketRequest(tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes))
+        op_nbytes = shard_op_nbytes(buckets)
+        return plan, [ShardOpRequest(tuple(rs), op_nbytes[op]) for op, rs in by_op.items()]
 
     def _shard_group(self, group):
         """The process group the shards travel on: the setup's (FSDP's or DDP's), or (comm="dedicated") one more

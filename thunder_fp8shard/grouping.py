@@ -1,0 +1,165 @@
+"""Which sharded tensors travel together: buckets (one all-gather each) and shard ops (one each in forward, keeping
+the shards of one or more consecutive buckets in one tensor). Pure functions over plain data.
+
+Fewer, larger collectives and shard ops cost the CPU less (a training step that is CPU-bound pays for every
+operator), but a bucket is gathered whole, and a shard op runs only after the last forward use of all its members:
+larger groups hold more bytes at once. So groups grow only where that is free: tensors are taken in order of first
+backward use, starting one a bucket and one bucket a shard op; each next one joins the current group when the
+group stays within ``bucket_bytes`` and the memory model predicts that neither the forward's nor the backward's
+peak rises above what one tensor a bucket gives (and the shard still has compute to hide behind before its
+all-gather). Near the backward's peak, which is usually at its start, the buckets stay small; further on, where
+activations have been freed, they grow to whole layers.
+
+``place`` turns a grouping into :class:`~thunder_fp8shard.plan.Bucket`\\ s, as the rewrite will build them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from thunder_fp8shard.layout import bucket_layout, packed_offsets
+from thunder_fp8shard.plan import Bucket, Decision
+
+if TYPE_CHECKING:  # pragma: no cover
+    from thunder_fp8shard.planner import MemoryModel
+
+
+def place(
+    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, world_size: int
+) -> list[Bucket]:
+    """The :class:`Bucket`\\ s of a grouping: ``buckets`` lists the members of each bucket, buckets in order of first
+    backward use; ``ops[j]`` is the shard op of bucket ``j`` (non-decreasing, consecutive buckets share an op).
+
+    A bucket is gathered before the first backward use of any member; its all-gather is issued at the first use of
+    the bucket ``prefetch`` places earlier (or at the start of the backward). A shard op runs after the last forward
+    use of any member of its buckets; its output is their shards packed one after the other
+    (:func:`~thunder_fp8shard.layout.packed_offsets`), and it is held until the wait of its last bucket.
+    """
+    placements = model.placements
+    first_uses = [placements[b[0].name].first_use for b in buckets]
+    layouts = [bucket_layout([d.nbytes for d in b], world_size) for b in buckets]
+    shard_at: dict[int, int] = {}
+    until: dict[int, int] = {}
+    members_of: dict[int, list[int]] = {}
+    for j, op in enumerate(ops):
+        shard_at[op] = max(shard_at.get(op, -1), *(placements[d.name].shard_at for d in buckets[j]))
+        until[op] = max(until.get(op, -1), first_uses[j])
+        members_of.setdefault(op, []).append(j)
+    offsets = {}
+    for op, js in members_of.items():
+        offsets.update(zip(js, packed_offsets([layouts[j].shard_nbytes for j in js])[0]))
+    return [
+        Bucket(
+            index=j, members=tuple(d.name for d in b), nbytes=sum(d.nbytes for d in b),
+            shard_nbytes=layouts[j].shard_nbytes, gathered_nbytes=layouts[j].gathered_nbytes,
+            shard_at=shard_at[ops[j]], first_use=first_uses[j],
+            gather_at=first_uses[j - prefetch] if j >= prefetch else model.backward_body_start,
+            shard_op=ops[j], shard_offset=offsets[j], shard_until=until[ops[j]],
+        )
+        for j, b in enumerate(buckets)
+    ]
+
+
+def shard_op_nbytes(buckets: Sequence[Bucket]) -> dict[int, int]:
+    """Bytes of each shard op's output (its buckets' shards, packed), by op index."""
+    out: dict[int, int] = {}
+    for b in buckets:
+        out[b.shard_op] = max(out.get(b.shard_op, 0), b.shard_offset + b.shard_nbytes)
+    return out
+
+
+def group(
+    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int
+) -> list[Bucket]:
+    """Buckets and shard ops for the chosen tensors (see the module's docstring); ``bucket_bytes=0`` gives one
+    tensor a bucket and one bucket a shard op."""
+    order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
+    singles = [[d] for d in order]
+    build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
+    if bucket_bytes == 0 or len(order) < 2:
+        return build(singles, range(len(singles)))
+    peaks = _Peaks(model)
+    limit = peaks(build(singles, range(len(singles))))
+    fits = lambda trial: _within(peaks(trial), limit) and _idle_everywhere(trial, model)  # noqa: E731
+
+    # buckets: one all-gather each
+    buckets = _grow(
+        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes,
+        lambda parts: fits(build([[d for b in p for d in b] for p in parts], range(len(parts)))),
+    )
+    merged = [[d for b in p for d in b] for p in buckets]
+    # shard ops: consecutive buckets whose shards one op keeps
+    by_op = _grow(
+        [[j] for j in range(len(merged))], lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes,
+        lambda parts: fits(build(merged, [k for k, p in enumerate(parts) for j in p for _ in j])),
+    )
+    return build(merged, [k for k, p in enumerate(by_op) for j in p for _ in j])
+
+
+def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:
+    """Greedy left-to-right grouping of ``items`` into runs: an item joins the current run when the run stays
+    ``small_enough`` and ``ok(parts)`` accepts the whole grouping with the rest left alone."""
+    done: list[list[list]] = []
+    current = [items[0]]
+    for k in range(1, len(items)):
+        trial = current + [items[k]]
+        if small_enough([x for item in trial for x in item]) and ok([*done, trial, *([i] for i in items[k + 1 :])]):
+            current = trial
+        else:
+            done.append(current)
+            current = [items[k]]
+    done.append(current)
+    return done
+
+
+def _within(peaks: tuple[int, int], limit: tuple[int, int]) -> bool:
+    return all(p <= q for p, q in zip(peaks, limit))
+
+
+def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
+    """Every bucket still has compute between its shard op and its all-gather."""
+    return all(model.compute_steps_between(b.shard_at, b.gather_at) > 0 for b in buckets)
+
+
+class _Peaks:
+    """The predicted (forward peak, backward peak) of a set of buckets, vectorised: the lives that sharding does not
+    touch are summed once; each trial adds only the sharded storages, shards and gathered buffers."""
+
+    def __init__(self, model: MemoryModel):
+        self.model = model
+        self.n = len(model.steps)
+        self.backward_start = next((s.index for s in model.steps if s.phase == "backward"), self.n)
+        self.life_of = {name: p.life for name, p in model.placements.items()}
+        self._base_cache: dict[frozenset, np.ndarray] = {}
+
+    def _base(self, touched: frozenset) -> np.ndarray:
+        if touched not in self._base_cache:
+            delta = np.zeros(self.n + 1, dtype=np.int64)
+            for life in self.model.lives.values():
+                if life.name not in touched:
+                    delta[life.start] += life.nbytes
+                    delta[life.end + 1] -= life.nbytes
+            self._base_cache = {touched: np.cumsum(delta[:-1])}  # one set of sharded tensors per grouping run
+        return self._base_cache[touched]
+
+    def __call__(self, buckets: list[Bucket]) -> tuple[int, int]:
+        lives = self.model.lives
+        starts, ends, sizes = [], [], []
+        touched = []
+        for b in buckets:
+            own = [lives[n] for n in dict.fromkeys(self.life_of[m] for m in b.members)]
+            touched += [life.name for life in own]
+            for life in own:  # the full storage, until the shard op
+                starts.append(life.start), ends.append(b.shard_at), sizes.append(life.nbytes)
+            starts.append(b.gather_at), ends.append(max(life.end for life in own)), sizes.append(b.gathered_nbytes)
+            # its part of the shard op's output, held as long as the whole
+            starts.append(b.shard_at), ends.append(b.shard_until), sizes.append(b.shard_nbytes)
+        delta = np.zeros(self.n + 1, dtype=np.int64)
+        np.add.at(delta, np.asarray(starts), np.asarray(sizes, dtype=np.int64))
+        np.add.at(delta, np.asarray(ends) + 1, -np.asarray(sizes, dtype=np.int64))
+        live = self._base(frozenset(touched)) + np.cumsum(delta[:-1])
+        fw, bw = live[: self.backward_start], live[self.backward_start :]
+        return (int(fw.max()) if fw.size else 0, int(bw.max()) if bw.size else 0)
