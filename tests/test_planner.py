@@ -1,10 +1,12 @@
 """Planner decisions for each policy on a hand-made memory model with known answers."""
 
+from dataclasses import replace
+
 import pytest
 
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Decision, ShardPlan
+from thunder_fp8shard.plan import GIVEN, Decision, MemoryTerm, ShardPlan
 from thunder_fp8shard.planner import MemoryModel, Placement, choose, schedule
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
@@ -27,8 +29,8 @@ SOUND = [
 ]
 
 
-def _decide(**options):
-    decisions, _, notes = choose(SOUND, MODEL, ShardOptions(prefetch=0, **options), 2)
+def _decide(model=MODEL, **options):
+    decisions, _, notes = choose(SOUND, model, ShardOptions(prefetch=0, **options), 2)
     return {d.name: d for d in decisions}, notes
 
 
@@ -105,3 +107,15 @@ def test_buckets_group_tensors_in_backward_order_up_to_bucket_bytes():
     # both full copies end at the bucket's shard point (3); one shard lives to 6; one gathered buffer to W1's end (8)
     assert after.live_bytes[4] == 100 + 148 + 40  # X, the shard, W3 (not sharded)
     assert after.live_bytes[7] == 100 + 296 + 200
+
+
+def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():
+    resident = MemoryTerm("resident at the call", GIVEN, "resident_bytes", ((0, 9, 50),))
+    model = replace(MODEL, terms=(resident,))
+    assert model.evaluate([]).peak_bytes == 390 and model.evaluate([], terms=False).peak_bytes == 340
+    d, notes = _decide(policy="budget", budget_bytes=380, model=model)
+    # the program alone (340 B) is within 380 B; with the 50 resident bytes only sharding W1 (-20 B at the peak) is
+    assert d["W1"].sharded and not d["W2"].sharded and notes == []
+    assert model.evaluate(schedule([d["W1"]], model, prefetch=0, bucket_bytes=0, world_size=2)).peak_bytes == 370
+    _, notes = _decide(policy="budget", budget_bytes=100, model=model)
+    assert notes == ["budget 100 B cannot be met: the lowest predicted peak is 370 B"]

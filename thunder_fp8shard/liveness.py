@@ -162,7 +162,7 @@ def program_steps(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> tuple[Step, 
     return tuple(Step(i, phase, _label(b)) for i, (phase, b) in enumerate(_joint(fw_trace, bw_trace)))
 
 
-def _forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
+def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
     """(output and flat_output tensors, saved-for-backward tensors) of the forward's return."""
     ret = fw_trace.bound_symbols[-1]
     if ret.sym.id != PrimIDs.RETURN:
@@ -219,7 +219,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
                 add_tensor(p, i)
                 edges.append((i, p.name))
 
-    outputs, saved = _forward_return(fw_trace)
+    outputs, saved = forward_return(fw_trace)
     for p in outputs:
         tensors[p.name]["held_until"] = max(tensors[p.name]["held_until"], bw_start - 1)
     for p in saved:
