@@ -10,7 +10,7 @@ from thunder.core.trace import TraceCtx, from_trace, tracectx
 from thunder.executors.sdpaex import sdpea_bwd
 
 from test_liveness import HAND_LIVE, _hand_traces
-from thunder_fp8shard.device_memory import DeviceMemory
+from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.liveness import storage_lives
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, MemoryTerm, ShardPlan
@@ -129,3 +129,8 @@ def test_plan_says_which_terms_were_measured_modelled_or_given():
 def test_new_options_are_validated(bad):
     with pytest.raises(ValueError):
         ShardOptions(**bad)
+
+
+def test_nothing_is_measured_on_the_cpu():
+    fw, _, _ = _hand_traces()
+    assert measure(fw, transformer_engine=False) is None

@@ -4,7 +4,9 @@ The joint program is the forward trace's bound symbols followed by the backward 
 ``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
 into storages (connected components of view edges) and gives each one interval of steps; ``timeline`` sums the
 live bytes per step; ``with_sharding`` models what sharding groups of saved tensors does to the lives, so a planner can
-compare choices before any trace is rewritten. Nothing here mutates a trace.
+compare choices before any trace is rewritten. Nothing here mutates a trace. This is the program's own memory; the
+memory the step runs in besides it (parameters held by the caller, optimizer state, workspaces, ...) is
+:mod:`thunder_fp8shard.resident`'s.
 
 Model (what counts, and for how long):
 

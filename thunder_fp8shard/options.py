@@ -36,8 +36,8 @@ class ShardOptions:
         counted); an int replaces that measurement.
     optimizer_states: the optimizer's state tensors per trained parameter, each the size of its local shard (Adam,
         AdamW: 2; SGD with momentum: 1), counted on top of the measured resident bytes: the optimizer creates them
-        at its first step, after the first call compiled. 0 (the default): not counted (say so when the
-        compilation happens after the optimizer's first step: they are measured then).
+        at its first step, after the first call compiled. 0 (the default): not counted; keep 0 for a compilation
+        after the optimizer's first step (a new input shape), whose resident measurement already holds them.
     loss_bytes: device bytes the loss computed outside the program holds at the start of the backward. None (the
         default): 2 x the forward's floating-point outputs (a cross-entropy on them).
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
