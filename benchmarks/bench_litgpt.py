@@ -38,6 +38,7 @@ if ROOT not in sys.path:
 
 @dataclass
 class RunConfig:
+    model: str = "litgpt"  # "toy": thunder_fp8shard.toy_models.FakeFP8Llama (fake FP8, no litgpt: CPU runs)
     model_name: str = "Llama-2-7b-hf"
     n_layer: int = 2
     n_embd: int | None = None  # overrides of the named config (to shrink a model for tests)
@@ -135,10 +136,23 @@ def _phase(rec: dict, name: str, device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
-def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
-    """One rank's run; the process group is already initialized. Returns picklable results."""
+@dataclass
+class RankSetup:
+    """One rank's jitted model, optimizer and pass (None without ``shard``), as ``run_rank`` and
+    ``plan_accuracy.py`` train them."""
+
+    jm: object
+    opt: torch.optim.Optimizer
+    shard: object
+    device: torch.device
+    vocab_size: int  # token ids are drawn below this
+    n_params: int
+
+
+def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
+    """Builds the model (litgpt from ``cfg.model_name``; ``cfg.model == "toy"``: ``toy_models.FakeFP8Llama``, for the
+    CPU), jits it with Thunder FSDP ZeRO-3 (and TE, and the pass), and makes its AdamW optimizer."""
     import thunder
-    from litgpt.model import GPT
     from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
@@ -150,11 +164,23 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    lcfg = litgpt_config(cfg)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    with device:
-        model = GPT(lcfg)
-    model = model.to(torch.bfloat16)
+    if cfg.model == "toy":
+        from thunder_fp8shard.toy_models import FakeFP8Llama
+
+        sizes = {k: v for k, v in dict(n_embd=cfg.n_embd, n_head=cfg.n_head, intermediate_size=cfg.intermediate_size,
+                                       vocab_size=cfg.vocab_size).items() if v is not None}
+        with device:
+            model = FakeFP8Llama(cfg.n_layer, **sizes)
+        vocab = model.lm_head.out_features
+    else:
+        from litgpt.model import GPT
+
+        lcfg = litgpt_config(cfg)
+        with device:
+            model = GPT(lcfg)
+        model = model.to(torch.bfloat16)
+        vocab = lcfg.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
 
     transforms = []
@@ -169,13 +195,18 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         transforms.append(sh)
     jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)
+    return RankSetup(jm, opt, sh, device, vocab, n_params)
 
+
+def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
+    """One rank's run; the process group is already initialized. Returns picklable results."""
+    s = setup_rank(rank, cfg)
+    jm, opt, sh, device, n_params = s.jm, s.opt, s.shard, s.device, s.n_params
     gen = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
-    V = lcfg.padded_vocab_size
     losses, times, peaks, saved, grads, phases = [], [], [], [], [], []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for step in range(cfg.steps):
-        idx = torch.randint(0, lcfg.vocab_size, (cfg.micro_batch_size, cfg.seq_len + 1), generator=gen).to(device)
+        idx = torch.randint(0, s.vocab_size, (cfg.micro_batch_size, cfg.seq_len + 1), generator=gen).to(device)
         x, y = idx[:, :-1], idx[:, 1:]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -184,7 +215,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         phase = {}
         with SavedBytes() as sb:
             logits = jm(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         _phase(phase, "forward", device)
         loss.backward()
         _phase(phase, "backward", device)

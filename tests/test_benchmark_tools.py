@@ -61,3 +61,102 @@ def test_comparison_takes_medians_and_merges_interleaved_halves(tmp_path):
         merged = json.load(f)
     assert merged["order"] == ["without", "with", "without", "with"] and len(merged["with"]) == 2
     assert merged["summary"] == json.loads(json.dumps(s))
+
+
+# ---- plan_accuracy.py: the measured and predicted timelines of one step ------------------------------------------------
+
+import linecache  # noqa: E402
+
+import plan_accuracy as acc  # noqa: E402
+
+from thunder_fp8shard.liveness import Life, Step, timeline  # noqa: E402
+from thunder_fp8shard.plan import MODELLED, MemoryTerm, ShardPlan  # noqa: E402
+
+
+def _alloc(size, addr, frames=()):
+    return {"action": "alloc", "size": size, "addr": addr, "frames": list(frames)}
+
+
+def _free(size, addr):
+    return {"action": "free", "size": size, "addr": addr, "frames": []}
+
+
+def _marker(addr=999):
+    return [_alloc(acc.MARK_BYTES, addr), _free(acc.MARK_BYTES, addr)]
+
+
+def _step_events(frames=()):
+    """forward: +100, +50 (the peak, 1150 with the 1000 baseline); loss: -50; backward: +30, -100; optimizer: -30."""
+    return [*_marker(), _alloc(100, 1), _alloc(50, 2, frames), *_marker(), _free(50, 2), *_marker(5),
+            _alloc(30, 3), _free(100, 1), *_marker(), _free(30, 3), *_marker()]
+
+
+def test_measured_timeline_from_marked_events():
+    m = acc.measured_timeline(_step_events(), baseline=1000)
+    assert m["bytes"] == [1100, 1150, 1100, 1130, 1030, 1000]
+    assert m["phase"] == ["forward", "forward", "loss", "backward", "backward", "optimizer"]
+    assert m["x"] == [0.5, 1.0, 1.15, 1.15 + 0.5, 2.15, 2.3]
+    assert (m["peak"]["bytes"], m["peak"]["phase"], m["peak"]["event"], m["peak"]["size"]) == (1150, "forward", 1, 50)
+    try:
+        acc.measured_timeline(_step_events()[2:], 0)
+    except ValueError as e:
+        assert "expected 5 phase markers" in str(e)
+    else:
+        raise AssertionError("a missing marker must be reported")
+
+
+def test_events_from_the_cuda_snapshot_and_the_cpu_profiler():
+    snapshot = {"device_traces": [[], [
+        {"action": "segment_alloc", "addr": 0, "size": 2 << 20}, {"action": "alloc", "addr": 8, "size": 512, "frames": []},
+        {"action": "free_requested", "addr": 8, "size": 512}, {"action": "free_completed", "addr": 8, "size": 512}]]}
+    assert [(e["action"], e["size"]) for e in acc.events_from_snapshot(snapshot, 1)] == [("alloc", 512), ("free", 512)]
+    mem = lambda ts, b, addr, dev=0: {"name": "[memory]", "ts": ts, "args": {"Bytes": b, "Addr": addr, "Device Type": dev}}  # noqa: E731
+    trace = {"traceEvents": [mem(2, -64, 1), mem(1, 64, 1), mem(3, 32, 2, dev=1), {"name": "aten::mm", "ts": 0}]}
+    assert [(e["action"], e["size"]) for e in acc.events_from_profiler_trace(trace)] == [("alloc", 64), ("free", 64)]
+
+
+def _hand_plan():
+    """4 forward steps, 4 backward; a 10-byte term over every step (the device model is the program + 10)."""
+    steps = tuple(Step(i, "forward" if i < 4 else "backward", f"t{i} = torch.op{i}") for i in range(8))
+    lives = {"a": Life("a", ("a",), 100, 0, 5), "b": Life("b", ("b",), 40, 2, 3)}
+    term = MemoryTerm("resident at the call", MODELLED, "", ((0, 7, 10),))
+    t = timeline({**lives, "term": Life("term", (), 10, 0, 7)}, steps)
+    return ShardPlan(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=t.peak_bytes, peak_bytes_after=t.peak_bytes,
+                     program_peak_bytes_before=140, program_peak_bytes_after=140, terms=[term], timeline_before=t,
+                     timeline_after=t)
+
+
+def test_predicted_timeline_lines_up_with_the_phases():
+    p = acc.predicted_timeline(_hand_plan())
+    # forward steps at 0, .25, .5, .75; the first backward step's bytes held over the loss phase from 1.0
+    assert p["x"] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.15, 1.4, 1.65, 1.9]
+    assert p["bytes"] == [110, 110, 150, 150, 110, 110, 110, 10, 10]
+    assert p["program_bytes"] == [b - 10 for b in p["bytes"]]
+    assert p["peak"] == {"bytes": 150, "phase": "forward", "step": 2, "label": "t2 = torch.op2", "x": 0.5,
+                         "program_peak_bytes": 140}
+
+
+def test_report_maps_the_measured_peak_to_thunders_line_and_the_plans_step(tmp_path):
+    program = "thunder.backward_fn_0"  # a generated program, as Thunder registers it in linecache
+    linecache.cache[program] = (0, None, ["def backward_fn(x):\n", "  t2 = torch.op2(x)\n"], program)
+    frames = [{"filename": "torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": program, "line": 2, "name": "backward_fn"}]
+    r = acc.report(_hand_plan(), _step_events(frames), 1000, {"max_memory_allocated": 1150, "max_requested_bytes": 1150})
+    peak = r["measured"]["peak"]
+    assert peak["thunder_line"] == {"program": program, "line": 2, "text": "t2 = torch.op2(x)"}
+    assert peak["plan_step"] == {"step": 2, "phase": "forward", "label": "t2 = torch.op2"}
+    assert peak["frames"][0] == "torch/nn/functional.py:1 linear"
+    assert r["measured"]["max_bytes_by_phase"] == {"forward": 1150, "loss": 1100, "backward": 1130, "optimizer": 1000}
+    assert (r["predicted"]["peak_bytes"], r["error_bytes"]) == (150, 150 - 1150)
+    result = {"config": {"world_size": 2, "model": "toy", "model_name": "", "n_layer": 1, "seq_len": 8, "te": False,
+                         "backend": "gloo"}, "ranks": [r]}
+    acc.write(result, str(tmp_path / "acc.json"))
+    assert json.load(open(tmp_path / "acc.json"))["ranks"][0]["measured"]["rebuilt_max_bytes"] == 1150
+    assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
+    labels = {line.get_label() for line in acc.plot_accuracy(r).axes[0].get_lines()}
+    assert {"measured", "predicted (device model)", "predicted (program alone)", "peak measured", "peak predicted"} <= labels
+
+
+def test_downsample_keeps_the_maximum_of_every_bin():
+    x, y = acc.downsample(list(range(10)), [0, 5, 1, 1, 9, 2, 0, 0, 3, 0], n=3)
+    assert (x, y) == ([1, 4, 8], [5, 9, 3])

@@ -1,11 +1,13 @@
 """Planner decisions for each policy on a hand-made memory model with known answers."""
 
+from dataclasses import replace
+
 import pytest
 
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Decision, ShardPlan
 from thunder_fp8shard.grouping import place, shard_op_nbytes
+from thunder_fp8shard.plan import GIVEN, Decision, MemoryTerm, ShardPlan
 from thunder_fp8shard.planner import MemoryModel, Placement, choose, schedule
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
@@ -28,8 +30,8 @@ SOUND = [
 ]
 
 
-def _decide(**options):
-    decisions, _, notes = choose(SOUND, MODEL, ShardOptions(prefetch=0, **options), 2)
+def _decide(model=MODEL, **options):
+    decisions, _, notes = choose(SOUND, model, ShardOptions(prefetch=0, **options), 2)
     return {d.name: d for d in decisions}, notes
 
 
@@ -148,3 +150,27 @@ def test_buckets_grow_where_the_model_says_it_costs_no_peak():
     assert FREE_MODEL.evaluate(merged).live_bytes[8] == 1000 + 1024 + 512
     too_small = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1023, world_size=2)
     assert [b.members for b in too_small] == [("W2",), ("W1",)]
+
+
+def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():
+    resident = MemoryTerm("resident at the call", GIVEN, "resident_bytes", ((0, 9, 50),))
+    model = replace(MODEL, terms=(resident,))
+    assert model.evaluate([]).peak_bytes == 390 and model.evaluate([], terms=False).peak_bytes == 340
+    d, notes = _decide(policy="budget", budget_bytes=380, model=model)
+    # the program alone (340 B) is within 380 B; with the 50 resident bytes only sharding W1 (-20 B at the peak) is
+    assert d["W1"].sharded and not d["W2"].sharded and notes == []
+    assert model.evaluate(schedule([d["W1"]], model, prefetch=0, bucket_bytes=0, world_size=2)).peak_bytes == 370
+    _, notes = _decide(policy="budget", budget_bytes=100, model=model)
+    assert notes == ["budget 100 B cannot be met: the lowest predicted peak is 370 B"]
+
+
+@pytest.mark.parametrize("buckets, ops", [([["W2"], ["W1"]], [0, 1]), ([["W2"], ["W1"]], [0, 0]), ([["W2", "W1"]], [0])])
+def test_the_groupings_fast_peaks_are_the_models_peaks(buckets, ops):
+    from thunder_fp8shard.grouping import _Peaks
+
+    loss = MemoryTerm("loss", GIVEN, "loss_bytes", ((5, 5, 700),))  # a term outside the program counts too
+    model = replace(FREE_MODEL, terms=(loss,))
+    by_name = {d.name: d for d in FREE_SOUND}
+    placed = place([[by_name[n] for n in b] for b in buckets], ops, model, prefetch=0, world_size=2)
+    live = model.evaluate(placed).live_bytes
+    assert _Peaks(model)(placed) == (max(live[:5]), max(live[5:]))

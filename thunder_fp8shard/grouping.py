@@ -22,6 +22,7 @@ import numpy as np
 
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
 from thunder_fp8shard.plan import Bucket, Decision
+from thunder_fp8shard.resident import term_lives
 
 if TYPE_CHECKING:  # pragma: no cover
     from thunder_fp8shard.planner import MemoryModel
@@ -138,7 +139,8 @@ class _Peaks:
     def _base(self, touched: frozenset) -> np.ndarray:
         if touched not in self._base_cache:
             delta = np.zeros(self.n + 1, dtype=np.int64)
-            for life in self.model.lives.values():
+            everything = {**self.model.lives, **term_lives(list(self.model.terms))}  # the device peak's terms too
+            for life in everything.values():
                 if life.name not in touched:
                     delta[life.start] += life.nbytes
                     delta[life.end + 1] -= life.nbytes

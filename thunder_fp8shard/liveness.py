@@ -4,7 +4,9 @@ The joint program is the forward trace's bound symbols followed by the backward 
 ``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
 into storages (connected components of view edges) and gives each one interval of steps; ``timeline`` sums the
 live bytes per step; ``with_sharding`` models what sharding groups of saved tensors does to the lives, so a planner can
-compare choices before any trace is rewritten. Nothing here mutates a trace.
+compare choices before any trace is rewritten. Nothing here mutates a trace. This is the program's own memory; the
+memory the step runs in besides it (parameters held by the caller, optimizer state, workspaces, ...) is
+:mod:`thunder_fp8shard.resident`'s.
 
 Model (what counts, and for how long):
 
@@ -164,7 +166,7 @@ def program_steps(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> tuple[Step, 
     return tuple(Step(i, phase, _label(b)) for i, (phase, b) in enumerate(_joint(fw_trace, bw_trace)))
 
 
-def _forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
+def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
     """(output and flat_output tensors, saved-for-backward tensors) of the forward's return."""
     ret = fw_trace.bound_symbols[-1]
     if ret.sym.id != PrimIDs.RETURN:
@@ -221,7 +223,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
                 add_tensor(p, i)
                 edges.append((i, p.name))
 
-    outputs, saved = _forward_return(fw_trace)
+    outputs, saved = forward_return(fw_trace)
     for p in outputs:
         tensors[p.name]["held_until"] = max(tensors[p.name]["held_until"], bw_start - 1)
     for p in saved:

@@ -22,7 +22,9 @@ class ShardOptions:
     verify: check at shard time that every rank holds identical bytes (one small all-gather of digests per tensor).
     policy: ``"all"`` shards every sound candidate; ``"peak"`` only those that lower the predicted peak;
         ``"budget"`` shards the fewest bytes of all-gather traffic that bring the peak to ``budget_bytes``.
-    budget_bytes: per-rank peak target for ``policy="budget"``.
+    budget_bytes: per-rank peak target for ``policy="budget"``, in device bytes: what
+        ``torch.cuda.max_memory_allocated`` will read, i.e. the program plus the memory the step runs in (the
+        terms of :mod:`thunder_fp8shard.resident`), not the program's bytes alone.
     prefetch: how many buckets ahead of its use each backward all-gather is issued. 0 issues it just before its
         first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
     bucket_bytes: the most payload bytes one backward all-gather (a bucket) or one forward shard op handles.
@@ -31,6 +33,15 @@ class ShardOptions:
         :mod:`thunder_fp8shard.grouping`): buckets stay one tensor near the backward's peak and grow to whole
         layers further on, so the step runs fewer operators at no predicted memory cost. 0 gives one tensor a
         bucket and a shard op. Default 256 MiB.
+    resident_bytes: device bytes alive during the whole step outside the program and its inputs (optimizer state,
+        other models). None (the default): measured on the device while the first call compiles (on the CPU: not
+        counted); an int replaces that measurement.
+    optimizer_states: the optimizer's state tensors per trained parameter, each the size of its local shard (Adam,
+        AdamW: 2; SGD with momentum: 1), counted on top of the measured resident bytes: the optimizer creates them
+        at its first step, after the first call compiled. 0 (the default): not counted; keep 0 for a compilation
+        after the optimizer's first step (a new input shape), whose resident measurement already holds them.
+    loss_bytes: device bytes the loss computed outside the program holds at the start of the backward. None (the
+        default): 2 x the forward's floating-point outputs (a cross-entropy on them).
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
         all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
@@ -46,6 +57,9 @@ class ShardOptions:
     prefetch: int = 1
     bucket_bytes: int = 256 << 20
     comm: str = "shared"
+    resident_bytes: int | None = None
+    optimizer_states: int = 0
+    loss_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
@@ -55,6 +69,10 @@ class ShardOptions:
         _non_negative_int("prefetch", self.prefetch)
         _non_negative_int("bucket_bytes", self.bucket_bytes)
         _one_of("comm", self.comm, COMMS)
+        _non_negative_int("optimizer_states", self.optimizer_states)
+        for name in ("resident_bytes", "loss_bytes"):
+            if getattr(self, name) is not None:
+                _non_negative_int(name, getattr(self, name))
         if not isinstance(self.verify, bool):
             raise TypeError(f"ShardIntermediates: verify must be a bool, got {self.verify!r}")
         if self.policy == "budget":

@@ -31,6 +31,35 @@ class Decision:
         return self.nbytes - self.shard_nbytes if self.sharded else 0
 
 
+MEASURED = "measured"  # read from the device while the first call compiled
+MODELLED = "modelled"  # by a rule from the traces and the options
+GIVEN = "given"  # an option the user set
+NOT_COUNTED = "not counted"  # known to exist but 0 here (nothing to measure on this device, or no rule)
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    """Device memory of the step besides the jitted program's own tensors (see :mod:`thunder_fp8shard.resident`),
+    laid on the joint timeline as ``spans``: ``(first step, last step, bytes)``, inclusive. Per rank."""
+
+    name: str  # e.g. "optimizer state"
+    source: str  # MEASURED, MODELLED, GIVEN or NOT_COUNTED
+    how: str  # one line: what was measured, or the rule
+    spans: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """The most bytes this term holds at any one step."""
+        return max((sum(b for s, e, b in self.spans if s <= at <= e) for at, _, _ in self.spans), default=0)
+
+    def where(self, n_steps: int) -> str:
+        """The steps it covers, in words."""
+        if not self.spans:
+            return "-"
+        first, last = min(s for s, _, _ in self.spans), max(e for _, e, _ in self.spans)
+        return "every step" if (first, last) == (0, n_steps - 1) else f"steps {first}-{last}"
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Sharded tensors kept as one shard and all-gathered back as one buffer. Steps are those of the unmodified
@@ -60,8 +89,11 @@ class ShardPlan:
     decisions: list[Decision]
     saved_bytes_before: int  # per rank, each storage once, as saved_tensors_hooks sees them
     saved_bytes_after: int
-    peak_bytes_before: int | None = None  # predicted per-rank peak of the joint forward+backward program
+    peak_bytes_before: int | None = None  # predicted per-rank device peak: the joint program plus ``terms``
     peak_bytes_after: int | None = None
+    program_peak_bytes_before: int | None = None  # the joint forward+backward program's own tensors only
+    program_peak_bytes_after: int | None = None
+    terms: list[MemoryTerm] = field(default_factory=list)  # memory of the step outside the program, per source
     timeline_before: Timeline | None = None
     timeline_after: Timeline | None = None
     buckets: list[Bucket] = field(default_factory=list)
@@ -108,12 +140,25 @@ class ShardPlan:
             f"saved for backward per rank: {_fmt_bytes(self.saved_bytes_before)} -> {_fmt_bytes(self.saved_bytes_after)}",
         ]
         if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
+            lines += self._terms_table()
             lines.append(
                 f"predicted peak per rank:     {_fmt_bytes(self.peak_bytes_before)} -> {_fmt_bytes(self.peak_bytes_after)}"
                 + _peak_where(self.timeline_before, self.timeline_after)
             )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _terms_table(self) -> list[str]:
+        """The memory model's terms: the program's own peak, then each term outside it with its source."""
+        if self.program_peak_bytes_before is None:
+            return []
+        n = len(self.timeline_before.steps) if self.timeline_before is not None else 0
+        rows = [("jitted program (its peak)", f"{self.program_peak_bytes_before:,} -> {self.program_peak_bytes_after:,}",
+                 "", MODELLED, "liveness of the joint forward+backward program")]
+        rows += [(t.name, f"{t.nbytes:,}", t.where(n), t.source, t.how) for t in self.terms]
+        header = ("memory model (device bytes per rank)", "bytes", "steps", "source", "how")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+        return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
 
     def plot(self, path=None):
         """The predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure)."""

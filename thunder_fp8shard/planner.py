@@ -4,7 +4,9 @@
 ``schedule`` groups the sharded tensors into buckets (one all-gather each) and shard ops (see
 :mod:`thunder_fp8shard.grouping`) and places each bucket's shard point, all-gather and first use on the joint
 timeline; ``choose`` applies the policy (all sound candidates, only those lowering the predicted peak, or the least
-all-gather traffic meeting a byte budget) by evaluating the memory model of :mod:`thunder_fp8shard.liveness`.
+all-gather traffic meeting a byte budget) by evaluating the memory model: the program's storages
+(:mod:`thunder_fp8shard.liveness`) plus the memory the step runs in (:mod:`thunder_fp8shard.resident`), so that
+peaks and budgets are device bytes.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from thunder_fp8shard.liveness import (
     with_sharding,
 )
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Bucket, Decision
+from thunder_fp8shard.plan import Bucket, Decision, MemoryTerm
 from thunder_fp8shard.replication import Replication
+from thunder_fp8shard.resident import step_terms, term_lives
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,14 @@ class Placement:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """The unmodified joint program's storages, steps and the placement of every candidate."""
+    """The unmodified joint program's storages, steps and the placement of every candidate, and the memory the
+    step runs in besides the program (``terms``)."""
 
     lives: dict[str, Life]
     steps: tuple[Step, ...]
     placements: dict[str, Placement]  # by candidate name; missing when a candidate is never used in backward
     compute: tuple[bool, ...]  # per step: False for bookkeeping (del, clears, unpacks, return)
+    terms: tuple[MemoryTerm, ...] = ()
 
     def compute_steps_between(self, first: int, last: int) -> int:
         """Compute steps strictly between two steps."""
@@ -56,9 +61,11 @@ class MemoryModel:
         """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
-    def evaluate(self, buckets: list[Bucket]) -> Timeline:
-        """The predicted timeline when ``buckets`` (from :func:`schedule`) are sharded."""
-        return timeline(with_sharding(self.lives, self.steps, [self._group(b) for b in buckets]), self.steps)
+    def evaluate(self, buckets: list[Bucket], *, terms: bool = True) -> Timeline:
+        """The predicted device timeline when ``buckets`` (from :func:`schedule`) are sharded (``terms=False``: the
+        program's own tensors only)."""
+        lives = with_sharding(self.lives, self.steps, [self._group(b) for b in buckets])
+        return timeline({**lives, **term_lives(list(self.terms))} if terms else lives, self.steps)
 
     def _group(self, b: Bucket) -> ShardedGroup:
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
@@ -136,7 +143,7 @@ def _greedy(candidates, model: MemoryModel, singles: list[Bucket], target, refus
     peak stops falling (policy "peak") or reaches ``target`` (policy "budget"). Each candidate's effect is taken
     with its own gather placement in ``singles`` (one bucket per tensor); fills ``refused`` and returns notes."""
     steps = model.steps
-    base = np.array(timeline(model.lives, steps).live_bytes, dtype=np.int64)
+    base = np.array(model.evaluate([]).live_bytes, dtype=np.int64)
     deltas = {}
     for b in singles:
         (name,) = b.members
@@ -188,8 +195,13 @@ def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | No
     )
 
 
-def memory_model(fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of) -> MemoryModel:
-    """Builds the joint program's storages and steps, and places every candidate on them."""
+def memory_model(
+    fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of, *, options: ShardOptions | None = None,
+    device=None,
+) -> MemoryModel:
+    """Builds the joint program's storages and steps, places every candidate on them, and adds the memory the step
+    runs in (:func:`thunder_fp8shard.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
+    compiling, None on the CPU). Without ``options`` the model is the program's alone."""
     graph = joint_graph(fw, bw)
     lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
     steps = program_steps(fw, bw)
@@ -203,5 +215,6 @@ def memory_model(fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes
         backward_uses = [u for u in uses(graph, [c.name]) if u >= backward_start and compute[u]]
         if backward_uses:
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
-    return MemoryModel(lives, steps, placements, compute)
+    terms = tuple(step_terms(fw, bw, lives, options, device)) if options is not None else ()
+    return MemoryModel(lives, steps, placements, compute, terms)
 

@@ -21,6 +21,7 @@ from thunder.core.transform_common import Transform
 
 from thunder_fp8shard import integrations
 from thunder_fp8shard.candidates import find_candidates, te_quantized_names
+from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import choose, memory_model, soundness
@@ -39,6 +40,7 @@ class _PendingForward:
     original: TraceCtx
     stand_in: TraceCtx  # what Thunder holds; filled with the rewritten forward by the backward hook
     seconds: float  # time the forward hook took
+    device: DeviceMemory | None  # what the device's allocator said while this entry compiled (None on the CPU)
 
 
 class ShardIntermediates(Transform):
@@ -82,7 +84,8 @@ class ShardIntermediates(Transform):
         stand_in = from_trace(fw)
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance("ShardIntermediates: forward as compiled, until its backward is planned"))
-        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start)
+        device = measure(fw, transformer_engine=bool(te_quantized_names(fw)))
+        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device)
         return stand_in
 
     def _backward(self, bw: TraceCtx) -> TraceCtx:
@@ -95,7 +98,7 @@ class ShardIntermediates(Transform):
             raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
         setup = integrations.detect(get_compile_data(), self.options)
         world_size = setup.world_size
-        plan, requests = self._plan(fw, bw, setup)
+        plan, requests = self._plan(fw, bw, setup, pending.device)
         new_bw = bw
         if requests:
             o = self.options
@@ -122,17 +125,20 @@ class ShardIntermediates(Transform):
         return ShardPlan(setup.world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes,
                          comm=o.comm, integration=setup.name, notes=list(setup.notes))
 
-    def _plan(self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration) -> tuple[ShardPlan, list[ShardOpRequest]]:
+    def _plan(
+        self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration, device: DeviceMemory | None
+    ) -> tuple[ShardPlan, list[ShardOpRequest]]:
         o, world_size = self.options, setup.world_size
         candidates = find_candidates(fw, o.candidates)
         te_names = te_quantized_names(fw)
         nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
-        model = memory_model(fw, bw, candidates, nbytes_of)
+        model = memory_model(fw, bw, candidates, nbytes_of, options=o, device=device)
         saved_names = {p.name for p in forward_saved(fw)[0]}
         replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw))
         sound = soundness(candidates, replication, model_io_names(fw), o, world_size, model, saved_names)
         decisions, buckets, notes = choose(sound, model, o, world_size)
         before, after = model.evaluate([]), model.evaluate(buckets)
+        program_before, program_after = model.evaluate([], terms=False), model.evaluate(buckets, terms=False)
         life_of = {m: life for life in model.lives.values() for m in life.members}
         saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
         saved_after = saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members) + sum(
@@ -141,7 +147,9 @@ class ShardIntermediates(Transform):
         plan = dataclasses.replace(
             empty, decisions=decisions, saved_bytes_before=saved_before,
             saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
-            timeline_before=before, timeline_after=after, buckets=buckets, notes=[*empty.notes, *notes],
+            program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
+            terms=list(model.terms), timeline_before=before, timeline_after=after, buckets=buckets,
+            notes=[*empty.notes, *notes],
         )
         for note in notes:
             if "cannot be met" in note:
