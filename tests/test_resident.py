@@ -134,3 +134,18 @@ def test_new_options_are_validated(bad):
 def test_nothing_is_measured_on_the_cpu():
     fw, _, _ = _hand_traces()
     assert measure(fw, transformer_engine=False) is None
+
+
+def test_a_parameter_proxy_sharded_by_thunders_fsdp_counts_its_shard():
+    """Thunder's FSDP transform shards a parameter's proxy by rewriting its ``_shape`` only (fsdp_v2.py), so the
+    proxy's cached ``numel`` still counts the whole parameter: the model sizes tensors from their shapes."""
+    from thunder.core import devices, dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from thunder_fp8shard.saved import numel, tensor_nbytes
+
+    with tracectx(TraceCtx()):
+        p = TensorProxy("w", shape=(64, 24), dtype=dtypes.bfloat16, device=devices.cpu, requires_grad=True)
+    p._shape = (32, 24)  # what FSDPTransform does for 2 ranks
+    assert numel(p) == 32 * 24 and tensor_nbytes(p) == 32 * 24 * 2

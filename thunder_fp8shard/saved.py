@@ -7,6 +7,8 @@ cotangents)`` with ``saved_for_backward == [saved_tensors, saved_other]``, posit
 
 from __future__ import annotations
 
+import math
+
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.pytree import tree_flatten
@@ -35,10 +37,15 @@ def model_io_names(fw: TraceCtx) -> set[str]:
 
 
 def numel(p: TensorProxy) -> int:
-    """``p.numel`` without Thunder's method lookup (``TensorProxy.numel`` resolves through ``__getattr__`` and the
-    language context on every access, which dominates a pass over every tensor of a large trace)."""
-    n = getattr(p, "_numel", None)
-    return n if type(n) is int else int(p.numel)
+    """The number of elements of ``p``'s shape, without Thunder's method lookup (``TensorProxy.numel`` resolves
+    through ``__getattr__`` and the language context on every access, which dominates a pass over every tensor of a
+    large trace). Computed from the shape, not from the proxy's cached ``_numel``: Thunder's FSDP transform shards
+    the parameter proxies by rewriting their ``_shape`` only, so their ``_numel`` (and ``numel``) still count the
+    unsharded parameter."""
+    shape = getattr(p, "_shape", None)
+    if type(shape) is tuple and all(type(s) is int for s in shape):
+        return math.prod(shape)
+    return int(p.numel)
 
 
 def tensor_nbytes(p: TensorProxy) -> int:
