@@ -165,12 +165,27 @@ def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():
 
 
 @pytest.mark.parametrize("buckets, ops", [([["W2"], ["W1"]], [0, 1]), ([["W2"], ["W1"]], [0, 0]), ([["W2", "W1"]], [0])])
-def test_the_groupings_fast_peaks_are_the_models_peaks(buckets, ops):
-    from thunder_fp8shard.grouping import _Peaks
+def test_the_groupings_fast_timeline_is_the_models(buckets, ops):
+    from thunder_fp8shard.grouping import _LiveBytes
 
     loss = MemoryTerm("loss", GIVEN, "loss_bytes", ((5, 5, 700),))  # a term outside the program counts too
     model = replace(FREE_MODEL, terms=(loss,))
     by_name = {d.name: d for d in FREE_SOUND}
     placed = place([[by_name[n] for n in b] for b in buckets], ops, model, prefetch=0, world_size=2)
-    live = model.evaluate(placed).live_bytes
-    assert _Peaks(model)(placed) == (max(live[:5]), max(live[5:]))
+    assert tuple(_LiveBytes(model)(placed)) == model.evaluate(placed).live_bytes
+
+
+def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
+    # B (1,900 B) lives through the end of the backward. Gathered together, W2 and W1 put 4,436 B live at step 8:
+    # under A's 4,512 B peak, but within 5% of it, so they stay apart; without B the same merge is free
+    lives = {**FREE_LIVES, "B": Life("B", ("B",), 1900, 7, 9)}
+    model = replace(FREE_MODEL, lives=lives)
+    together = place([[FREE_SOUND[1], FREE_SOUND[0]]], [0], model, prefetch=0, world_size=2)
+    assert model.evaluate(together).live_bytes[8] == 1000 + 1900 + 1024 + 512 == 4436
+    assert model.evaluate(together).peak_bytes == 4512
+    buckets = schedule(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)
+    assert [b.members for b in buckets] == [("W2",), ("W1",)]
+    from thunder_fp8shard import grouping
+
+    monkeypatch.setattr(grouping, "HEADROOM", 0.0)  # it is the margin that keeps them apart
+    assert [b.members for b in schedule(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]

@@ -5,10 +5,12 @@ Fewer, larger collectives and shard ops cost the CPU less (a training step that 
 operator), but a bucket is gathered whole, and a shard op runs only after the last forward use of all its members:
 larger groups hold more bytes at once. So groups grow only where that is free: tensors are taken in order of first
 backward use, starting one a bucket and one bucket a shard op; each next one joins the current group when the
-group stays within ``bucket_bytes`` and the memory model predicts that neither the forward's nor the backward's
-peak rises above what one tensor a bucket gives (and the shard still has compute to hide behind before its
-all-gather). Near the backward's peak, which is usually at its start, the buckets stay small; further on, where
-activations have been freed, they grow to whole layers.
+group stays within ``bucket_bytes``, the shard still has compute to hide behind before its all-gather, and the
+memory model predicts that wherever the grouping holds more bytes than one tensor a bucket would, the step stays
+at least :data:`HEADROOM` below the predicted peak. The margin is the model's accuracy on the device (a merge that
+looks free right under the predicted peak may not be: on Llama-2-7b a rule without it let the first buckets of the
+backward grow, where the device's peak is, and gave up 0.16 GB of the 3.18 GB saving). Near the backward's peak,
+at its start, the buckets stay small; further on, where activations have been freed, they grow to whole layers.
 
 ``place`` turns a grouping into :class:`~thunder_fp8shard.plan.Bucket`\\ s, as the rewrite will build them.
 """
@@ -23,6 +25,8 @@ import numpy as np
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
 from thunder_fp8shard.plan import Bucket, Decision
 from thunder_fp8shard.resident import term_lives
+
+HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
 
 if TYPE_CHECKING:  # pragma: no cover
     from thunder_fp8shard.planner import MemoryModel
@@ -82,9 +86,10 @@ def group(
     build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
-    peaks = _Peaks(model)
-    limit = peaks(build(singles, range(len(singles))))
-    fits = lambda trial: _within(peaks(trial), limit) and _idle_everywhere(trial, model)  # noqa: E731
+    live_bytes = _LiveBytes(model)
+    reference = live_bytes(build(singles, range(len(singles))))
+    ceiling = (1 - HEADROOM) * reference.max()
+    fits = lambda trial: _free(live_bytes(trial), reference, ceiling) and _idle_everywhere(trial, model)  # noqa: E731
 
     # buckets: one all-gather each
     buckets = _grow(
@@ -116,8 +121,10 @@ def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[
     return done
 
 
-def _within(peaks: tuple[int, int], limit: tuple[int, int]) -> bool:
-    return all(p <= q for p, q in zip(peaks, limit))
+def _free(live: np.ndarray, reference: np.ndarray, ceiling: float) -> bool:
+    """Wherever ``live`` holds more than ``reference`` (one tensor a bucket), it stays under ``ceiling``."""
+    raised = live > reference
+    return not raised.any() or live[raised].max() <= ceiling
 
 
 def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
@@ -125,14 +132,14 @@ def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
     return all(model.compute_steps_between(b.shard_at, b.gather_at) > 0 for b in buckets)
 
 
-class _Peaks:
-    """The predicted (forward peak, backward peak) of a set of buckets, vectorised: the lives that sharding does not
-    touch are summed once; each trial adds only the sharded storages, shards and gathered buffers."""
+class _LiveBytes:
+    """The predicted bytes live at each step for a set of buckets (``MemoryModel.evaluate``'s, vectorised): the
+    lives that sharding does not touch are summed once; each trial adds only the sharded storages, shards and
+    gathered buffers."""
 
     def __init__(self, model: MemoryModel):
         self.model = model
         self.n = len(model.steps)
-        self.backward_start = next((s.index for s in model.steps if s.phase == "backward"), self.n)
         self.life_of = {name: p.life for name, p in model.placements.items()}
         self._base_cache: dict[frozenset, np.ndarray] = {}
 
@@ -147,7 +154,7 @@ class _Peaks:
             self._base_cache = {touched: np.cumsum(delta[:-1])}  # one set of sharded tensors per grouping run
         return self._base_cache[touched]
 
-    def __call__(self, buckets: list[Bucket]) -> tuple[int, int]:
+    def __call__(self, buckets: list[Bucket]) -> np.ndarray:
         lives = self.model.lives
         starts, ends, sizes = [], [], []
         touched = []
@@ -162,6 +169,4 @@ class _Peaks:
         delta = np.zeros(self.n + 1, dtype=np.int64)
         np.add.at(delta, np.asarray(starts), np.asarray(sizes, dtype=np.int64))
         np.add.at(delta, np.asarray(ends) + 1, -np.asarray(sizes, dtype=np.int64))
-        live = self._base(frozenset(touched)) + np.cumsum(delta[:-1])
-        fw, bw = live[: self.backward_start], live[self.backward_start :]
-        return (int(fw.max()) if fw.size else 0, int(bw.max()) if bw.size else 0)
+        return self._base(frozenset(touched)) + np.cumsum(delta[:-1])

@@ -29,9 +29,9 @@ class ShardOptions:
         first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
     bucket_bytes: the most payload bytes one backward all-gather (a bucket) or one forward shard op handles.
         Tensors are taken in order of first backward use; each joins the current bucket, or else the current shard
-        op, only where the memory model predicts that neither the forward's nor the backward's peak rises (see
-        :mod:`thunder_fp8shard.grouping`): buckets stay one tensor near the backward's peak and grow to whole
-        layers further on, so the step runs fewer operators at no predicted memory cost. 0 gives one tensor a
+        op, only where the memory model predicts that the step stays at least 5% below its predicted peak wherever the
+        grouping holds more bytes (see :mod:`thunder_fp8shard.grouping`): buckets stay one tensor near the
+        backward's peak and grow to whole layers further on, so the step runs fewer operators. 0 gives one tensor a
         bucket and a shard op. Default 256 MiB.
     resident_bytes: device bytes alive during the whole step outside the program and its inputs (optimizer state,
         other models). None (the default): measured on the device while the first call compiles (on the CPU: not
