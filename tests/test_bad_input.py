@@ -21,6 +21,7 @@ from thunder_fp8shard.toy_models import FakeFP8MLP
         ({"verify": "yes"}, TypeError, r"verify must be a bool"),
         ({"bucket_bytes": -1}, ValueError, r"bucket_bytes must be a non-negative int, got -1"),
         ({"comm": "nccl"}, ValueError, r"comm must be one of \('shared', 'dedicated'\), got 'nccl'"),
+        ({"group": "world"}, TypeError, r"group must be a torch.distributed.ProcessGroup .*got str"),
     ],
 )
 def test_invalid_options_fail_at_construction(options, error, message):
@@ -94,3 +95,19 @@ def test_inference_only_records_an_empty_plan_and_changes_nothing(single_rank_gr
     assert len(shard.plans) == 1 and shard.plans[0].decisions == []
     assert "forward-only compile" in shard.plans[0].notes[0]
     assert "forward-only compile" in str(shard.plans[0])
+
+
+def test_group_option_must_span_the_setups_ranks(single_rank_group, monkeypatch):
+    import torch.distributed as dist
+
+    from thunder_fp8shard import integrations
+    from thunder_fp8shard.options import ShardOptions
+
+    same_ranks = dist.new_group(ranks=[0])
+    monkeypatch.setattr(integrations, "INTEGRATIONS", (lambda cd, o: integrations.Integration("Stub", single_rank_group),))
+    assert integrations.detect(None, ShardOptions(group=same_ranks)).group is single_rank_group  # the setup's group
+    real = dist.get_process_group_ranks
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [0, 1] if g is single_rank_group else real(g))
+    with pytest.raises(ValueError, match=r"group= spans ranks \[0\], but Stub works over ranks \[0, 1\]"):
+        integrations.detect(None, ShardOptions(group=same_ranks))
+

@@ -33,6 +33,10 @@ class ShardOptions:
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
         all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
         reduce-scatters (profiled on the GPU, they did not: the backward's compute stream had no such waits).
+    group: a ``torch.distributed.ProcessGroup``, for a compilation whose setup names no process group (a ThunderFX
+        subgraph without FSDP2 parameters: nothing is sharded there, and the plan says so). Where the setup names its
+        group (Thunder FSDP/DDP, FSDP2's shard group), ``group=`` may be given but must span the same ranks (checked
+        when compiling); the setup's group is used.
     """
 
     candidates: str = "fp8"
@@ -44,6 +48,7 @@ class ShardOptions:
     prefetch: int = 1
     bucket_bytes: int = 0
     comm: str = "shared"
+    group: object = None
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
@@ -53,6 +58,14 @@ class ShardOptions:
         _non_negative_int("prefetch", self.prefetch)
         _non_negative_int("bucket_bytes", self.bucket_bytes)
         _one_of("comm", self.comm, COMMS)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if not isinstance(self.group, dist.ProcessGroup):
+                raise TypeError(
+                    f"ShardIntermediates: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
+                    f"mesh.get_group()), got {type(self.group).__name__}"
+                )
         if not isinstance(self.verify, bool):
             raise TypeError(f"ShardIntermediates: verify must be a bool, got {self.verify!r}")
         if self.policy == "budget":

@@ -127,7 +127,7 @@ class ShardIntermediates(Transform):
         nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
         model = memory_model(fw, bw, candidates, nbytes_of)
         saved_names = {p.name for p in forward_saved(fw)[0]}
-        replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw))
+        replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
         sound = soundness(candidates, replication, model_io_names(fw), o, world_size, model, saved_names)
         decisions, buckets, notes = choose(sound, model, o, world_size)
         before, after = model.evaluate([]), model.evaluate(buckets)
