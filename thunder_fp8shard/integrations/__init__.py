@@ -5,7 +5,7 @@ Each integration is one small module with ``detect(compile_data) -> Integration 
 analysis then starts from the integration's *replicated roots*: the all-gathers over its group (always), plus the
 trace inputs it names (:meth:`Integration.replicated_inputs`). A new setup is one more module here.
 
-The process group is the setup's own (FSDP's, DDP's). Where a setup names none, the pass takes
+The process group is the setup's own (FSDP's, DDP's, FSDP2's shard group). Where a setup names none, the pass takes
 the ``group=`` option; where it names one, ``group=`` (if given) must span the same ranks.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.integrations import thunder_ddp, thunder_fsdp
+from thunder_fp8shard.integrations import fsdp2_thunderfx, thunder_ddp, thunder_fsdp
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,13 @@ def group_of(compile_data, flag: str):
     return getattr(compile_data, "process_group_for_ddp", None)
 
 
-INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect)
+INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect, fsdp2_thunderfx.detect)
 
 USAGE = (
-    "ShardIntermediates needs Thunder FSDP or DDP: use thunder.jit(model, transforms=[FSDPTransform(...), "
-    "ShardIntermediates()]), thunder.distributed.fsdp(thunder.jit(model, transforms=[ShardIntermediates()])) or "
-    "thunder.distributed.ddp(thunder.jit(model, transforms=[ShardIntermediates()]))"
+    "ShardIntermediates needs Thunder FSDP or DDP, or FSDP2 under ThunderFX: use thunder.jit(model, "
+    "transforms=[FSDPTransform(...), ShardIntermediates()]), thunder.distributed.fsdp(thunder.jit(model, "
+    "transforms=[ShardIntermediates()])), thunder.distributed.ddp(thunder.jit(model, "
+    f"transforms=[ShardIntermediates()])); {fsdp2_thunderfx.USAGE}"
 )
 
 
