@@ -41,14 +41,15 @@ class _PendingForward:
 
 
 class ShardIntermediates(Transform):
-    """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, see
-    :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward consumers. Gradients
-    are bitwise identical to the run without the pass.
+    """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, PyTorch FSDP2 under
+    ThunderFX, see :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward
+    consumers. Gradients are bitwise identical to the run without the pass.
 
     Use as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
-    ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``. Options: see
-    :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan`
-    per compiled cache entry, newest last.
+    ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``, or in ThunderFX's
+    transforms over an FSDP2 model: ``torch.compile(model, backend=ThunderCompiler(transforms=[ShardIntermediates()]))``.
+    Options: see :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one
+    :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under ThunderFX, of each subgraph), newest last.
     """
 
     def __init__(self, **options):
