@@ -21,6 +21,7 @@ from thunder_fp8shard.toy_models import FakeFP8MLP
         ({"verify": "yes"}, TypeError, r"verify must be a bool"),
         ({"bucket_bytes": -1}, ValueError, r"bucket_bytes must be a non-negative int, got -1"),
         ({"comm": "nccl"}, ValueError, r"comm must be one of \('shared', 'dedicated'\), got 'nccl'"),
+        ({"group": "world"}, TypeError, r"group must be a torch.distributed.ProcessGroup .*got str"),
     ],
 )
 def test_invalid_options_fail_at_construction(options, error, message):
@@ -44,7 +45,9 @@ def _fsdp(strategy="ZERO3"):
 
 def test_without_fsdp_it_says_how_to_use_it():
     jm = _jit([ShardIntermediates()])
-    with pytest.raises(RuntimeError, match=r"ShardIntermediates needs Thunder FSDP or DDP: use thunder.jit\(model, transforms=\[FSDPTransform"):
+    usage = (r"ShardIntermediates needs Thunder FSDP or DDP, or FSDP2 under ThunderFX: use thunder.jit\(model, "
+             r"transforms=\[FSDPTransform.*FSDP2 under ThunderFX: fully_shard\(block\) for each block")
+    with pytest.raises(RuntimeError, match=usage):
         jm(torch.randn(3, 24, requires_grad=True))
 
 
@@ -94,3 +97,78 @@ def test_inference_only_records_an_empty_plan_and_changes_nothing(single_rank_gr
     assert len(shard.plans) == 1 and shard.plans[0].decisions == []
     assert "forward-only compile" in shard.plans[0].notes[0]
     assert "forward-only compile" in str(shard.plans[0])
+
+
+def test_group_option_must_span_the_setups_ranks(single_rank_group, monkeypatch):
+    import torch.distributed as dist
+
+    from thunder_fp8shard import integrations
+    from thunder_fp8shard.options import ShardOptions
+
+    same_ranks = dist.new_group(ranks=[0])
+    monkeypatch.setattr(integrations, "INTEGRATIONS", (lambda cd, o: integrations.Integration("Stub", single_rank_group),))
+    assert integrations.detect(None, ShardOptions(group=same_ranks)).group is single_rank_group  # the setup's group
+    real = dist.get_process_group_ranks
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [0, 1] if g is single_rank_group else real(g))
+    with pytest.raises(ValueError, match=r"group= spans ranks \[0\], but Stub works over ranks \[0, 1\]"):
+        integrations.detect(None, ShardOptions(group=same_ranks))
+
+
+def _thunderfx(model, transforms):
+    import torch._dynamo
+    from thunder.dynamo import ThunderCompiler
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=ThunderCompiler(transforms=transforms))
+
+
+def test_thunderfx_without_fsdp2_parameters_asks_for_a_group(single_rank_group):
+    torch.manual_seed(0)
+    run = _thunderfx(FakeFP8MLP(), [ShardIntermediates()])
+    with pytest.raises(Exception, match=r"no FSDP2 \(fully_shard\) parameter among its inputs .*pass ShardIntermediates\(group=\.\.\.\)"):
+        run(torch.randn(3, 24, requires_grad=True))
+
+
+def test_thunderfx_without_fsdp2_parameters_and_a_group_shards_nothing_and_says_why(single_rank_group):
+    """Without FSDP2 nothing proves the parameters identical on every rank: every candidate is refused, with its
+    reason, and the run is unchanged."""
+    torch.manual_seed(0)
+    shard = ShardIntermediates(group=single_rank_group, min_bytes=0)
+    run, ref = _thunderfx(FakeFP8MLP(), [shard]), None
+    x = torch.randn(3, 24, requires_grad=True)
+    out = run(x)
+    out.sum().backward()
+    torch.manual_seed(0)
+    ref = _thunderfx(FakeFP8MLP(), [])
+    x_ref = x.detach().clone().requires_grad_()
+    expected = ref(x_ref)
+    expected.sum().backward()
+    assert torch.equal(out, expected) and torch.equal(x.grad, x_ref.grad)
+    (plan,) = shard.plans
+    assert plan.integration == "FSDP2 (fully_shard) under ThunderFX, subgraph without FSDP2 parameters"
+    assert "no FSDP2 parameter enters this subgraph" in plan.notes[0] and not plan.sharded
+    weight_copies = [d for d in plan.decisions if d.shape in {(64, 24), (45, 64), (7, 45)}]
+    assert len(weight_copies) == 3
+    assert all(not d.replicated and "not an unsharded FSDP2 parameter" in d.reason for d in weight_copies)
+
+
+def test_fsdp2_on_one_rank_proves_the_gathered_weight_copies_replicated(single_rank_group):
+    """FSDP2 in this process (world size 1): each layer is its own subgraph whose weight input is FSDP2's unsharded
+    parameter, so its FP8 copy is proven identical on every rank (and not sharded: there is one rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = FakeFP8MLP()
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    shard = ShardIntermediates(min_bytes=0)
+    _thunderfx(model, [shard])(torch.randn(3, 24, requires_grad=True)).sum().backward()
+    assert len(shard.plans) == 3
+    for plan in shard.plans:
+        assert plan.integration == "FSDP2 (fully_shard) under ThunderFX" and not plan.sharded
+        (weight_copy,) = [d for d in plan.decisions if d.replicated]
+        assert weight_copy.dtype == "float8_e4m3fn" and weight_copy.reason == "world size is 1: there is nothing to shard over"
+        assert all("not an unsharded FSDP2 parameter" in d.reason for d in plan.decisions if not d.replicated)

@@ -111,3 +111,47 @@ def test_zero2_and_ddp_are_exact_and_save_as_planned(setup, world_size):
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
     assert plan.integration == {"zero2": "Thunder FSDP (ZeRO-2)", "ddp": "Thunder DDP"}[setup]
+
+
+def _kept_outside_the_subgraphs(world_size, batch):
+    """Bytes autograd keeps for backward under FSDP2 that no subgraph's plan counts: the GELU between the layers runs
+    eagerly and saves its input, and each saved unsharded weight lives in FSDP2's all-gather output, padded on dim 0
+    to a multiple of the world size (float32)."""
+    gelu_inputs = sum(batch * w for w in WIDTHS[1:-1]) * 4
+    padding = sum((-o % world_size) * i for i, o in zip(WIDTHS[:-1], WIDTHS[1:])) * 4
+    return gelu_inputs + padding
+
+
+@pytest.mark.parametrize(
+    "world_size, scope, strategy, no_grad_call, options",
+    [(2, "model", "ZERO3", True, {}), (3, "layers", "ZERO2", False, {"verify": True, "comm": "dedicated", "prefetch": 0})],
+)
+def test_fsdp2_under_thunderfx_is_exact_and_saves_as_planned(world_size, scope, strategy, no_grad_call, options):
+    """PyTorch FSDP2 (fully_shard on every layer and the model) compiled by ThunderFX, the whole model (Thunder's
+    benchmark_litgpt) or each layer (torchtitan): one subgraph per layer, each planned on its own; the FP8 copy of its
+    all-gathered weight is sharded, everything derived from the rank's input is refused as per-rank. Bitwise equal to
+    the same run without the pass, gradients after FSDP2's reduce-scatter included."""
+    cfg = RunConfig(widths=WIDTHS, api="fsdp2", compile_scope=scope, sharding_strategy=strategy,
+                    no_grad_call=no_grad_call, options={"min_bytes": 0, **options})
+    results = run_on_ranks(train_with_and_without, world_size, cfg)
+    for rank, (base, shard) in enumerate(results):
+        assert mismatches(base, shard) == [], f"rank {rank}"
+        for step_grads in shard.grads:
+            assert all(g.abs().sum() > 0 for g in step_grads.values()), "a compared gradient is zero: the check is void"
+        for step, plan_indices in enumerate(shard.step_plans):
+            plans = [shard.plans[i] for i in plan_indices]
+            assert len(plans) == 3, "one Thunder compilation per layer (the 3rd step: a new cache entry, same shape)"
+            for plan in plans:
+                assert plan.integration == "FSDP2 (fully_shard) under ThunderFX" and plan.comm == options.get("comm", "shared")
+                assert len(plan.sharded) == 1 and plan.sharded[0].dtype == "float8_e4m3fn"
+                refused = [d for d in plan.decisions if not d.sharded]
+                assert refused and all(not d.replicated and "not an unsharded FSDP2 parameter" in d.reason for d in refused)
+            assert {p.sharded[0].shape for p in plans} == WEIGHT_SHAPES
+            # measured: the saved bytes drop exactly as planned, and the rest is what is kept outside the subgraphs
+            before, after = (sum(getattr(p, f"saved_bytes_{k}") for p in plans) for k in ("before", "after"))
+            outside = _kept_outside_the_subgraphs(world_size, cfg.batch_sizes[step])
+            assert (base.saved_bytes[step], shard.saved_bytes[step]) == (before + outside, after + outside)
+            assert after < before
+        no_grad = [p for i, p in enumerate(shard.plans) if all(i not in s for s in shard.step_plans)]
+        assert len(no_grad) == (3 if no_grad_call else 0) and all(p.decisions == [] and "forward-only" in p.notes[0] for p in no_grad)
+    assert not torch.equal(results[0][0].losses[0], results[1][0].losses[0])

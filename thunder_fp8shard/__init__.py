@@ -1,5 +1,5 @@
-"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP (ZeRO-3, ZeRO-2) or DDP and all-gather them in
-backward."""
+"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP (ZeRO-3, ZeRO-2) or DDP, or PyTorch FSDP2 under
+ThunderFX, and all-gather them in backward."""
 
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Decision, ShardPlan

@@ -46,6 +46,10 @@ class ShardOptions:
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
         all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
         reduce-scatters (profiled on the GPU, they did not: the backward's compute stream had no such waits).
+    group: a ``torch.distributed.ProcessGroup``, for a compilation whose setup names no process group (a ThunderFX
+        subgraph without FSDP2 parameters: nothing is sharded there, and the plan says so). Where the setup names its
+        group (Thunder FSDP/DDP, FSDP2's shard group), ``group=`` may be given but must span the same ranks (checked
+        when compiling); the setup's group is used.
     """
 
     candidates: str = "fp8"
@@ -60,6 +64,7 @@ class ShardOptions:
     resident_bytes: int | None = None
     optimizer_states: int = 0
     loss_bytes: int | None = None
+    group: object = None
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
@@ -73,6 +78,14 @@ class ShardOptions:
         for name in ("resident_bytes", "loss_bytes"):
             if getattr(self, name) is not None:
                 _non_negative_int(name, getattr(self, name))
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if not isinstance(self.group, dist.ProcessGroup):
+                raise TypeError(
+                    f"ShardIntermediates: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
+                    f"mesh.get_group()), got {type(self.group).__name__}"
+                )
         if not isinstance(self.verify, bool):
             raise TypeError(f"ShardIntermediates: verify must be a bool, got {self.verify!r}")
         if self.policy == "budget":

@@ -1,5 +1,5 @@
-"""A small data-parallel training run (Thunder FSDP ZeRO-3 or ZeRO-2, or Thunder DDP) of a fake-FP8 model on one rank,
-with or without the pass.
+"""A small data-parallel training run (Thunder FSDP ZeRO-3 or ZeRO-2, Thunder DDP, or PyTorch FSDP2 under ThunderFX) of a
+fake-FP8 model on one rank, with or without the pass.
 
 ``run_on_ranks(train, world_size, RunConfig(...))`` (see :mod:`thunder_fp8shard.harness`) gives each rank's
 ``RunResult``; comparing a run with the pass against one without is the exactness check used by the demo and the
@@ -24,8 +24,11 @@ class RunConfig:
     options: dict = field(default_factory=dict)  # ShardIntermediates options
     no_grad_call: bool = True  # a forward-only call between the first and second step
     api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...);
-    # "ddp": thunder.distributed.ddp(...)
-    sharding_strategy: str = "ZERO3"
+    # "ddp": thunder.distributed.ddp(...); "fsdp2": fully_shard(each layer), fully_shard(model), then torch.compile
+    # with ThunderCompiler(transforms=[pass])
+    sharding_strategy: str = "ZERO3"  # under "fsdp2": ZERO3 is reshard_after_forward=True, ZERO2 False
+    compile_scope: str = "model"  # "fsdp2" only: "model" compiles the whole model (Thunder's benchmark_litgpt),
+    # "layers" each layer (layer.compile(backend=...), torchtitan's way)
     seed: int = 0
 
 
@@ -37,6 +40,7 @@ class RunResult:
     no_grad_output: torch.Tensor | None
     plans: list[ShardPlan]
     traces: tuple[str, str] = ("", "")  # the executed forward and backward traces of the first step
+    step_plans: list[list[int]] = field(default_factory=list)  # per step: indices into plans made during its forward
 
 
 def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
@@ -47,6 +51,8 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     from thunder_fp8shard import ShardIntermediates
     from thunder_fp8shard.toy_models import FakeFP8MLP
 
+    if cfg.api == "fsdp2":
+        return train_fsdp2(rank, world_size, cfg)
     torch.manual_seed(cfg.seed)
     model = FakeFP8MLP(cfg.widths)
     shard = ShardIntermediates(**cfg.options)
@@ -82,6 +88,59 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         if step == 0 and cfg.no_grad_call:
             with torch.no_grad():
                 result.no_grad_output = jm(torch.randn(2, cfg.widths[0], generator=gen))
+    result.plans = list(shard.plans)
+    return result
+
+
+def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
+    """FSDP2 (``fully_shard`` on every layer and on the model) compiled by ThunderFX, the pass in the backend's
+    transforms. Gradients are this rank's local shards of FSDP2's DTensor gradients (after its reduce-scatter)."""
+    import torch._dynamo
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from thunder.dynamo import ThunderCompiler
+
+    from thunder_fp8shard import ShardIntermediates
+    from thunder_fp8shard.toy_models import FakeFP8MLP
+
+    torch._dynamo.reset()  # the other run of this process compiled the same code objects
+    # every layer, grad mode and dynamic shape is its own Dynamo graph of the one FakeFP8Linear.forward (Thunder's
+    # benchmark_litgpt raises the limit for FSDP2 too)
+    torch._dynamo.config.cache_size_limit = 64
+    torch.manual_seed(cfg.seed)
+    model = FakeFP8MLP(cfg.widths)
+    shard = ShardIntermediates(**cfg.options)
+    backend = ThunderCompiler(transforms=[shard] if cfg.use_pass else [])
+    mesh = init_device_mesh("cpu", (world_size,))
+    reshard = {"ZERO3": True, "ZERO2": False}[cfg.sharding_strategy]
+    for layer in model.layers:
+        if cfg.compile_scope == "layers":
+            layer.compile(backend=backend)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    run = torch.compile(model, backend=backend) if cfg.compile_scope == "model" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    result = RunResult([], [], [], None, [])
+    for step, batch in enumerate(cfg.batch_sizes):
+        gen = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
+        x = torch.randn(batch, cfg.widths[0], generator=gen, requires_grad=True)
+        target = torch.randn(batch, cfg.widths[-1], generator=gen)
+        first = len(shard.plans)
+        with saved_bytes() as saved:
+            out = run(x)
+        result.step_plans.append(list(range(first, len(shard.plans))))
+        loss = torch.nn.functional.mse_loss(out, target)
+        opt.zero_grad()
+        loss.backward()
+        result.losses.append(loss.detach().clone())
+        result.grads.append({n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()})
+        result.grads[-1]["input"] = x.grad.detach().clone()
+        result.saved_bytes.append(saved.total)
+        opt.step()
+        if step == 0 and cfg.no_grad_call:
+            with torch.no_grad():
+                result.no_grad_output = run(torch.randn(2, cfg.widths[0], generator=gen))
     result.plans = list(shard.plans)
     return result
 

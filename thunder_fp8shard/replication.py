@@ -10,6 +10,7 @@ and any operation the analysis does not understand.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from thunder.core.prims import PrimIDs
@@ -49,19 +50,23 @@ class Replication:
         return self.per_rank.get(name, "not produced in the forward trace")
 
 
-def analyze_replication(trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset()) -> Replication:
+def analyze_replication(
+    trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset(), input_reasons: Mapping[str, str] | None = None
+) -> Replication:
     """Classifies every proxy of ``trace``; ``group`` is the process group the tensors would be sharded over.
 
     The roots of replication are the all-gathers over ``group`` and the trace inputs named in ``replicated_inputs``
-    (e.g. the parameters under DDP, see :mod:`thunder_fp8shard.integrations`); every other input is per-rank.
+    (e.g. the parameters under DDP, see :mod:`thunder_fp8shard.integrations`); every other input is per-rank, for the
+    reason ``input_reasons`` gives (the setup's words) or as the rank's own input.
     """
+    input_reasons = input_reasons or {}
     replicated: set[str] = set()
     per_rank: dict[str, str] = {}
     for arg in _flat_proxies(trace.args) + _flat_proxies(list(trace.kwargs.values())):
         if arg.name in replicated_inputs:
             replicated.add(arg.name)
         else:
-            per_rank[arg.name] = _input_reason(arg)
+            per_rank[arg.name] = input_reasons.get(arg.name) or _input_reason(arg)
 
     def origin(p: Proxy) -> str | None:
         """None when ``p`` is replicated, else the reason it is not."""

@@ -44,14 +44,15 @@ class _PendingForward:
 
 
 class ShardIntermediates(Transform):
-    """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, see
-    :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward consumers. Gradients
-    are bitwise identical to the run without the pass.
+    """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, PyTorch FSDP2 under
+    ThunderFX, see :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward
+    consumers. Gradients are bitwise identical to the run without the pass.
 
     Use as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
-    ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``. Options: see
-    :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan`
-    per compiled cache entry, newest last.
+    ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``, or in ThunderFX's
+    transforms over an FSDP2 model: ``torch.compile(model, backend=ThunderCompiler(transforms=[ShardIntermediates()]))``.
+    Options: see :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one
+    :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under ThunderFX, of each subgraph), newest last.
     """
 
     def __init__(self, **options):
@@ -134,7 +135,7 @@ class ShardIntermediates(Transform):
         nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
         model = memory_model(fw, bw, candidates, nbytes_of, options=o, device=device)
         saved_names = {p.name for p in forward_saved(fw)[0]}
-        replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw))
+        replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
         sound = soundness(candidates, replication, model_io_names(fw), o, world_size, model, saved_names)
         decisions, buckets, notes = choose(sound, model, o, world_size)
         before, after = model.evaluate([]), model.evaluate(buckets)

@@ -4,17 +4,20 @@ Each integration is one small module with ``detect(compile_data) -> Integration 
 :data:`INTEGRATIONS` order while compiling and uses the first that recognizes the compilation; the replication
 analysis then starts from the integration's *replicated roots*: the all-gathers over its group (always), plus the
 trace inputs it names (:meth:`Integration.replicated_inputs`). A new setup is one more module here.
+
+The process group is the setup's own (FSDP's, DDP's, FSDP2's shard group). Where a setup names none, the pass takes
+the ``group=`` option; where it names one, ``group=`` (if given) must span the same ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.integrations import thunder_ddp, thunder_fsdp
+from thunder_fp8shard.integrations import fsdp2_thunderfx, thunder_ddp, thunder_fsdp
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,8 @@ class Integration:
     name: str  # shown in the plan, e.g. "Thunder FSDP (ZeRO-3)"
     group: object  # the process group the replicated values are identical over, and the shards travel on
     replicated_inputs: Callable[[TraceCtx], frozenset[str]] = lambda trace: frozenset()
+    # why the other trace inputs are per-rank, where the setup knows better than "the rank's input"
+    input_reasons: Callable[[TraceCtx], Mapping[str, str]] = lambda trace: {}
     notes: tuple[str, ...] = field(default=())  # what the plan should say about this setup
 
     @property
@@ -39,12 +44,13 @@ def group_of(compile_data, flag: str):
     return getattr(compile_data, "process_group_for_ddp", None)
 
 
-INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect)
+INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect, fsdp2_thunderfx.detect)
 
 USAGE = (
-    "ShardIntermediates needs Thunder FSDP or DDP: use thunder.jit(model, transforms=[FSDPTransform(...), "
-    "ShardIntermediates()]), thunder.distributed.fsdp(thunder.jit(model, transforms=[ShardIntermediates()])) or "
-    "thunder.distributed.ddp(thunder.jit(model, transforms=[ShardIntermediates()]))"
+    "ShardIntermediates needs Thunder FSDP or DDP, or FSDP2 under ThunderFX: use thunder.jit(model, "
+    "transforms=[FSDPTransform(...), ShardIntermediates()]), thunder.distributed.fsdp(thunder.jit(model, "
+    "transforms=[ShardIntermediates()])), thunder.distributed.ddp(thunder.jit(model, "
+    f"transforms=[ShardIntermediates()])); {fsdp2_thunderfx.USAGE}"
 )
 
 
@@ -55,5 +61,13 @@ def detect(compile_data, options) -> Integration:
         if found is not None:
             if not dist.is_initialized():
                 raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
+            given = options.group
+            if given is not None and given is not found.group and (
+                    dist.get_process_group_ranks(given) != dist.get_process_group_ranks(found.group)):
+                raise ValueError(
+                    f"ShardIntermediates: group= spans ranks {dist.get_process_group_ranks(given)}, but {found.name} "
+                    f"works over ranks {dist.get_process_group_ranks(found.group)}; leave group= out (the setup names "
+                    "its group) or pass one over the same ranks"
+                )
             return found
     raise RuntimeError(USAGE)

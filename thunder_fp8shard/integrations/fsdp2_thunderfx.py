@@ -1,0 +1,178 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) under ThunderFX (``torch.compile(backend=ThunderCompiler(
+transforms=[ShardIntermediates()]))``): the replicated roots are the subgraph inputs that are FSDP2's unsharded
+parameters; the shards travel on FSDP2's shard process group.
+
+How the pieces fit. Dynamo does not trace FSDP2's hooks (``torch._dynamo.config.skip_fsdp_hooks``, on by default):
+the hooks run eagerly and the forward of each ``fully_shard``-ed module becomes its own graph (a graph break at each
+module boundary), whether the whole model is compiled (as Thunder's ``benchmark_litgpt.py --distributed_mode=fsdp2
+--compile=dynamo_thunder`` does) or each block (``block.compile(backend=...)``, torchtitan's way). ThunderFX hands
+each graph's supported part to ``thunder.jit``; each such subgraph is one Thunder compilation with its own forward and
+backward, planned and rewritten on its own. Dynamo lifts the module's parameters into graph inputs.
+
+Why those inputs are identical on every rank. FSDP2's pre-forward hook runs before the compiled forward: it
+all-gathers every parameter shard of the module over the shard group and copies the result into the parameter's
+unsharded ``nn.Parameter`` (``FSDPParam._unsharded_param``), which it installs on the module; the compiled forward
+reads the module's parameters, so the tensor entering the subgraph is that all-gathered parameter: the same bytes on
+every rank of the group (mixed precision casts the shard before the all-gather). The pass proves this per input, not
+by name: Dynamo records the real tensor behind each graph input (``node.meta["grapharg"]``), and an input is a root
+only when it *is* (``is``) the ``_unsharded_param`` of a live FSDP2 parameter found through FSDP2's module states, in
+the unsharded state, while the subgraph is compiled. Every other input (activations, parameters FSDP2 does not manage,
+inputs whose real tensor Dynamo no longer holds) is per-rank, with the reason in the plan. The proof is made for the
+module Dynamo compiled the graph for; Dynamo reuses the graph only for modules that pass its guards, and
+``fully_shard`` gives its modules a class of their own (``FSDP<Name>``), so a layer FSDP2 does not manage never runs
+an FSDP2 layer's graph (checked: it gets its own graph, refused). Not covered: layers of one class and shapes sharded
+over two different meshes would share one graph whose shards travel on the first mesh's group; ``verify=True``
+detects that at run time.
+
+Backward. The pass only replaces saved intermediates (e.g. the FP8 copies of those parameters) by shards and
+all-gathers them back inside the subgraph's backward; the gradients the subgraph returns for the unsharded parameters
+are bitwise those of the run without the pass, so FSDP2's post-backward reduce-scatter (its own hooks, outside the
+subgraph) sees the same gradients. FSDP2 re-gathers the unsharded parameters themselves before the backward (with
+``reshard_after_forward=True``); they are subgraph inputs, which the pass never shards.
+
+Dynamo compiles a layer's forward once per layer, grad mode and shape kind (static, then dynamic), all on one code
+object when the layers share a class: past ``torch._dynamo.config.cache_size_limit`` (8) it silently runs the rest
+eagerly, where the pass does not see them. Raise the limit (Thunder's benchmark_litgpt sets 64 for FSDP2).
+
+Detection and the process group: a compilation is this setup when its function is a Dynamo graph (placeholders with
+``grapharg`` metadata). The group is the shard group of the FSDP2 parameters entering it (``group=`` may name it too
+and must then span the same ranks). A subgraph without any FSDP2 parameter (e.g. Dynamo split a block between two
+graphs) names no group: the pass then needs ``group=`` and shards nothing there (no roots), saying so in the plan;
+without ``group=`` it raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+NAME = "FSDP2 (fully_shard) under ThunderFX"
+USAGE = (
+    "FSDP2 under ThunderFX: fully_shard(block) for each block and fully_shard(model), then "
+    "torch.compile(model, backend=thunder.dynamo.ThunderCompiler(transforms=[ShardIntermediates()]))"
+)
+
+
+@dataclass(frozen=True)
+class _Input:
+    tensor: torch.Tensor | None  # the real tensor Dynamo recorded for this graph input, if it still holds it
+    source: str
+
+
+def dynamo_inputs(fn) -> dict[str, _Input] | None:
+    """Placeholder name -> the real input Dynamo recorded, when ``fn`` is a graph made by Dynamo; else None."""
+    if not isinstance(fn, torch.fx.GraphModule):
+        return None
+    placeholders = [n for n in fn.graph.nodes if n.op == "placeholder"]
+    if not any("grapharg" in n.meta for n in placeholders):
+        return None
+    out = {}
+    for n in placeholders:
+        arg = n.meta.get("grapharg")
+        if arg is None:
+            out[n.name] = _Input(None, "an input Dynamo recorded nothing for")
+            continue
+        try:
+            example = arg.example
+        except Exception:  # noqa: BLE001  (a weak reference that died, or an erased grapharg)
+            example = None
+        out[n.name] = _Input(example if isinstance(example, torch.Tensor) else None, _source_name(arg.source))
+    return out
+
+
+def _source_name(source) -> str:
+    try:
+        return str(source.name)  # e.g. L['x'], L['self']._parameters['weight']
+    except Exception:  # noqa: BLE001
+        return str(source)
+
+
+def unsharded_parameters() -> dict[int, tuple[object, object]]:
+    """id(unsharded parameter) -> (its FSDPParam, FSDP2's shard process group), for every live FSDP2 parameter that
+    is currently unsharded (all-gathered)."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    found = {}
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
+        if group is None:
+            continue
+        for p in group.fsdp_params:
+            t = getattr(p, "_unsharded_param", None)
+            if t is not None and p.sharded_state == ShardedState.UNSHARDED:
+                found[id(t)] = (p, group.mesh_info.shard_process_group)
+    return found
+
+
+def detect(cd, options):
+    from thunder_fp8shard.integrations import Integration
+
+    inputs = dynamo_inputs(getattr(cd, "fn", None))
+    if inputs is None:
+        return None
+    if not dist.is_initialized():
+        raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
+    owners = unsharded_parameters()
+    groups = {name: owners[id(i.tensor)][1] for name, i in inputs.items() if i.tensor is not None and id(i.tensor) in owners}
+    if not groups:
+        if options.group is None:
+            raise RuntimeError(
+                "ShardIntermediates: this torch.compile subgraph has no FSDP2 (fully_shard) parameter among its inputs "
+                f"({', '.join(inputs) or 'none'}), so no process group can be found; pass ShardIntermediates(group=...) "
+                f"(nothing is sharded in such a subgraph) or use the pass as documented: {USAGE}"
+            )
+        note = ("no FSDP2 parameter enters this subgraph: nothing in it is provably identical on every rank, so nothing "
+                "is sharded (the group is the group= option)")
+        return Integration(f"{NAME}, subgraph without FSDP2 parameters", options.group,
+                           input_reasons=lambda trace: _reasons(trace, inputs, {}, None), notes=(note,))
+    group = next(iter(groups.values()))  # group= must span its ranks (checked by integrations.detect)
+    roots = {name for name, g in groups.items() if g is group}
+    return Integration(
+        NAME, group,
+        replicated_inputs=lambda trace: frozenset(n for n in _matching(trace, inputs) if n in roots),
+        input_reasons=lambda trace: _reasons(trace, inputs, groups, group),
+    )
+
+
+def _matching(trace, inputs: dict[str, _Input]) -> list[str]:
+    """Trace inputs that are the graph inputs of the same name, with the real tensor's shape and dtype."""
+    from thunder.core import dtypes
+
+    out = []
+    for p in _trace_tensor_inputs(trace):
+        i = inputs.get(p.name)
+        if i is not None and i.tensor is not None and tuple(p.shape) == tuple(i.tensor.shape) and (
+                dtypes.to_torch_dtype(p.dtype) == i.tensor.dtype):
+            out.append(p.name)
+    return out
+
+
+def _reasons(trace, inputs: dict[str, _Input], groups: dict, group) -> dict[str, str]:
+    """Why each trace input that is not a root is per-rank."""
+    matching = set(_matching(trace, inputs))
+    reasons = {}
+    for p in _trace_tensor_inputs(trace):
+        i = inputs.get(p.name)
+        if i is None:
+            reasons[p.name] = f"the input `{p.name}`, not an input of the Dynamo graph"
+        elif p.name not in groups:
+            reasons[p.name] = f"the input `{p.name}` ({i.source}), not an unsharded FSDP2 parameter"
+        elif p.name not in matching:
+            reasons[p.name] = (f"the input `{p.name}` ({i.source}), whose shape or dtype differs from the FSDP2 "
+                               "parameter Dynamo recorded for it")
+        elif groups[p.name] is not group:
+            reasons[p.name] = f"the FSDP2 parameter `{p.name}`, all-gathered over another process group"
+    return reasons
+
+
+def _trace_tensor_inputs(trace):
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.pytree import tree_flatten
+
+    flat, _ = tree_flatten((trace.args, trace.kwargs))
+    return [p for p in flat if isinstance(p, TensorProxy)]
