@@ -69,7 +69,37 @@ class _IterationClock:
         return next(self.it)
 
 
+def split_cores(cpus: list[int], core_of: dict[int, int], n: int) -> list[list[int]]:
+    """``cpus`` split into ``n`` sets of whole physical cores (``core_of``: cpu -> its core; SMT siblings share a
+    core), as evenly as possible: no two ranks share a core, so one rank's Python cannot slow the other's."""
+    cores: dict[int, list[int]] = {}
+    for cpu in sorted(cpus):
+        cores.setdefault(core_of.get(cpu, cpu), []).append(cpu)
+    groups = list(cores.values())
+    if len(groups) < n:
+        raise ValueError(f"--pin-cores: {len(groups)} physical cores for {n} ranks")
+    per = len(groups) // n
+    return [[cpu for g in groups[k * per : (k + 1) * per] for cpu in g] for k in range(n)]
+
+
+def _pin(local_rank: int, local_world: int) -> list[int]:
+    """Pins this process to its share of the allowed CPUs' physical cores (see :func:`split_cores`)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    core_of = {}
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                core_of[cpu] = int(f.read().replace("-", ",").split(",")[0])
+        except OSError:
+            core_of[cpu] = cpu
+    mine = split_cores(cpus, core_of, local_world)[local_rank]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def worker(args, flags: list[str]) -> None:
+    if args.pin_cores:
+        pinned = _pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     import torch
     import thunder
     import thunder.benchmarks.benchmark_litgpt as bl
@@ -118,6 +148,8 @@ def worker(args, flags: list[str]) -> None:
     starts = clock["c"].starts
     extra = {"iteration_start_s": [t - starts[0] for t in starts[:-1]], "iteration_ms": [
         (b - a) * 1e3 for a, b in zip(starts, starts[1:])]}
+    if args.pin_cores:
+        extra["rank0_cpus"] = pinned
     if shard is not None:
         import thunder_fp8shard
 
@@ -156,6 +188,8 @@ def run_side(side: str, args, flags: list[str]) -> dict:
            os.path.abspath(__file__), "--worker", f"--side={side}", f"--workdir={workdir}", f"--options={args.options}"]
     if args.profile_iter is not None:
         cmd.append(f"--profile-iter={args.profile_iter}")
+    if args.pin_cores:
+        cmd.append("--pin-cores")
     cmd += ["--", *flags]
     path = [*args.pythonpath, ROOT, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
@@ -227,6 +261,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--pythonpath", action="append", default=[],
                    help="put this folder first on the runs' PYTHONPATH (e.g. an older version of the pass)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin each rank to its own physical cores (both sides alike): a CPU-bound step's time then "
+                        "depends less on where the scheduler puts the ranks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--side", choices=["with", "without"], help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)

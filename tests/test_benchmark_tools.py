@@ -4,6 +4,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import profile_summary  # noqa: E402
@@ -64,6 +66,15 @@ def test_comparison_takes_medians_and_merges_interleaved_halves(tmp_path):
 
 
 # ---- plan_accuracy.py: the measured and predicted timelines of one step ------------------------------------------------
+
+def test_pinning_gives_each_rank_whole_physical_cores():
+    # 4 cores with 2 SMT siblings each (cpu k and k + 4 share core k), as Linux numbers them
+    core_of = {cpu: cpu % 4 for cpu in range(8)}
+    assert thunder_litgpt.split_cores(list(range(8)), core_of, 2) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert thunder_litgpt.split_cores([0, 1, 2, 4, 5], core_of, 2) == [[0, 4], [1, 5]]  # core 2 has one cpu: unused
+    with pytest.raises(ValueError, match="2 physical cores for 3 ranks"):
+        thunder_litgpt.split_cores([0, 4, 1], core_of, 3)
+
 
 import linecache  # noqa: E402
 
