@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
+from thunder_fp8shard.grouping import place, shard_op_nbytes
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.grouping import place, shard_op_nbytes
 from thunder_fp8shard.plan import GIVEN, Decision, MemoryTerm, ShardPlan
 from thunder_fp8shard.planner import MemoryModel, Placement, choose, schedule
 
