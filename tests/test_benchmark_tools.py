@@ -171,3 +171,26 @@ def test_report_maps_the_measured_peak_to_thunders_line_and_the_plans_step(tmp_p
 def test_downsample_keeps_the_maximum_of_every_bin():
     x, y = acc.downsample(list(range(10)), [0, 5, 1, 1, 9, 2, 0, 0, 3, 0], n=3)
     assert (x, y) == ([1, 4, 8], [5, 9, 3])
+
+
+def test_a_dumped_memory_model_loads_back_and_replays_the_grouping(tmp_path):
+    import model_dump
+
+    from thunder_fp8shard.plan import GIVEN, Decision
+    from thunder_fp8shard.planner import MemoryModel, Placement, schedule
+
+    steps = tuple(Step(i, "forward" if i < 5 else "backward", f"op{i}") for i in range(10))
+    lives = {"X": Life("X", ("X",), 1000, 0, 9), "W1": Life("W1", ("W1", "v1"), 512, 1, 9),
+             "W2": Life("W2", ("W2",), 512, 2, 8), "A": Life("A", ("A",), 3000, 3, 6)}
+    model = MemoryModel(lives, steps, {"W1": Placement("W1", 1, 9), "W2": Placement("W2", 2, 8)}, (True,) * 10,
+                        (MemoryTerm("loss", GIVEN, "loss_bytes", ((5, 5, 7),)),))
+    decisions = [Decision(n, (512,), "float8_e4m3fn", "float8", 512, True, True, "", 256) for n in ("W1", "W2")]
+    path = str(tmp_path / "m.json.gz")
+    model_dump.dump(model, decisions, 2, path)
+    back, sharded, world_size = model_dump.load(path)
+    assert back == model and [d.name for d in sharded] == ["W1", "W2"] and world_size == 2
+    assert schedule(sharded, back, prefetch=0, bucket_bytes=1024, world_size=2) == schedule(
+        decisions, model, prefetch=0, bucket_bytes=1024, world_size=2)
+    replayed = model_dump.replay(path, 1024, 0)
+    # at step 5: X, A and the loss term, and the bucket's two 256 B shards instead of both 512 B copies
+    assert replayed["bucket_members"] == [2] and replayed["peak_after"] == 1000 + 3000 + 7 + 512
