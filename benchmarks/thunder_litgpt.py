@@ -290,7 +290,8 @@ def main() -> None:
                    help="put this folder first on the runs' PYTHONPATH (e.g. an older version of the pass)")
     p.add_argument("--dump-model", metavar="DIR", default=None,
                    help="save the pass's memory model of the training entry (with-runs, rank 0) into DIR as "
-                        "<tag>_model.json.gz, to replay the grouping on the CPU (model_dump.py)")
+                        "<tag>_model.json.gz, to replay the grouping on the CPU (model_dump.py); the run keeps it "
+                        "in memory until the end, so do not compare that run's times")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin each rank to its own physical cores (both sides alike): a CPU-bound step's time then "
                         "depends less on where the scheduler puts the ranks")
