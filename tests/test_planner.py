@@ -128,14 +128,13 @@ def test_one_shard_op_can_keep_several_buckets_until_the_last_wait():
 
 # steps 0-4 forward, 5-9 backward. X (1000 B) lives throughout; an activation A (3000 B) lives [3, 6], so both peaks
 # are A's. W1 and W2 (512 B) are last used in forward at 1 and 2, first in backward at 9 and 8: long after A is freed.
-FREE_STEPS = tuple(Step(i, "forward" if i < 5 else "backward", f"op{i}") for i in range(10))
 FREE_LIVES = {
     "X": Life("X", ("X",), 1000, 0, 9),
     "W1": Life("W1", ("W1",), 512, 1, 9),
     "W2": Life("W2", ("W2",), 512, 2, 8),
     "A": Life("A", ("A",), 3000, 3, 6),
 }
-FREE_MODEL = MemoryModel(FREE_LIVES, FREE_STEPS, {"W1": Placement("W1", 1, 9), "W2": Placement("W2", 2, 8)},
+FREE_MODEL = MemoryModel(FREE_LIVES, STEPS, {"W1": Placement("W1", 1, 9), "W2": Placement("W2", 2, 8)},
                          compute=(True,) * 10)
 FREE_SOUND = [Decision(n, (512,), "float8_e4m3fn", "float8", 512, True, True, "", 256) for n in ("W1", "W2")]
 
@@ -172,7 +171,7 @@ def test_the_groupings_fast_timeline_is_the_models(buckets, ops):
     model = replace(FREE_MODEL, terms=(loss,))
     by_name = {d.name: d for d in FREE_SOUND}
     placed = place([[by_name[n] for n in b] for b in buckets], ops, model, prefetch=0, world_size=2)
-    assert tuple(_LiveBytes(model)(placed)) == model.evaluate(placed).live_bytes
+    assert tuple(_LiveBytes(model, FREE_SOUND)(placed)) == model.evaluate(placed).live_bytes
 
 
 def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):

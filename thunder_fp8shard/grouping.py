@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
+from thunder_fp8shard.liveness import life_spans, span_bytes
 from thunder_fp8shard.plan import Bucket, Decision
 from thunder_fp8shard.resident import term_lives
 
@@ -86,7 +87,7 @@ def group(
     build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
-    live_bytes = _LiveBytes(model)
+    live_bytes = _LiveBytes(model, order)
     reference = live_bytes(build(singles, range(len(singles))))
     ceiling = (1 - HEADROOM) * reference.max()
     fits = lambda trial: _free(live_bytes(trial), reference, ceiling) and _idle_everywhere(trial, model)  # noqa: E731
@@ -133,40 +134,22 @@ def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
 
 
 class _LiveBytes:
-    """The predicted bytes live at each step for a set of buckets (``MemoryModel.evaluate``'s, vectorised): the
-    lives that sharding does not touch are summed once; each trial adds only the sharded storages, shards and
-    gathered buffers."""
+    """The predicted bytes live at each step for a grouping of ``chosen`` (``MemoryModel.evaluate``'s, vectorised):
+    the lives that sharding does not touch, and the terms besides the program, are summed once; each trial adds
+    only the sharded storages, shards and gathered buffers."""
 
-    def __init__(self, model: MemoryModel):
-        self.model = model
-        self.n = len(model.steps)
+    def __init__(self, model: MemoryModel, chosen: Sequence[Decision]):
+        self.model, self.n = model, len(model.steps)
         self.life_of = {name: p.life for name, p in model.placements.items()}
-        self._base_cache: dict[frozenset, np.ndarray] = {}
-
-    def _base(self, touched: frozenset) -> np.ndarray:
-        if touched not in self._base_cache:
-            delta = np.zeros(self.n + 1, dtype=np.int64)
-            everything = {**self.model.lives, **term_lives(list(self.model.terms))}  # the device peak's terms too
-            for life in everything.values():
-                if life.name not in touched:
-                    delta[life.start] += life.nbytes
-                    delta[life.end + 1] -= life.nbytes
-            self._base_cache = {touched: np.cumsum(delta[:-1])}  # one set of sharded tensors per grouping run
-        return self._base_cache[touched]
+        touched = {self.life_of[d.name] for d in chosen}
+        untouched = [life for life in model.lives.values() if life.name not in touched]
+        self.base = span_bytes(life_spans([*untouched, *term_lives(list(model.terms)).values()]), self.n)
 
     def __call__(self, buckets: list[Bucket]) -> np.ndarray:
-        lives = self.model.lives
-        starts, ends, sizes = [], [], []
-        touched = []
+        lives, spans = self.model.lives, []
         for b in buckets:
             own = [lives[n] for n in dict.fromkeys(self.life_of[m] for m in b.members)]
-            touched += [life.name for life in own]
-            for life in own:  # the full storage, until the shard op
-                starts.append(life.start), ends.append(b.shard_at), sizes.append(life.nbytes)
-            starts.append(b.gather_at), ends.append(max(life.end for life in own)), sizes.append(b.gathered_nbytes)
-            # its part of the shard op's output, held as long as the whole
-            starts.append(b.shard_at), ends.append(b.shard_until), sizes.append(b.shard_nbytes)
-        delta = np.zeros(self.n + 1, dtype=np.int64)
-        np.add.at(delta, np.asarray(starts), np.asarray(sizes, dtype=np.int64))
-        np.add.at(delta, np.asarray(ends) + 1, -np.asarray(sizes, dtype=np.int64))
-        return self._base(frozenset(touched)) + np.cumsum(delta[:-1])
+            spans += [(life.start, b.shard_at, life.nbytes) for life in own]  # the full storage, until the shard op
+            spans.append((b.gather_at, max(life.end for life in own), b.gathered_nbytes))
+            spans.append((b.shard_at, b.shard_until, b.shard_nbytes))  # its part of the shard op's output
+        return self.base + span_bytes(spans, self.n)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import networkx as nx
+import numpy as np
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
 from thunder.core.pytree import tree_flatten
@@ -291,16 +292,22 @@ def storage_lives(
     return {life.name: life for life in lives}
 
 
+def span_bytes(spans: Iterable[tuple[int, int, int]], n_steps: int) -> np.ndarray:
+    """Bytes live at each of ``n_steps`` steps, summed over ``(start, end, nbytes)`` spans (inclusive)."""
+    arr = np.asarray(list(spans), dtype=np.int64).reshape(-1, 3)
+    delta = np.zeros(n_steps + 1, dtype=np.int64)
+    np.add.at(delta, arr[:, 0], arr[:, 2])
+    np.add.at(delta, arr[:, 1] + 1, -arr[:, 2])
+    return np.cumsum(delta[:-1])
+
+
+def life_spans(lives: Iterable[Life]) -> Iterable[tuple[int, int, int]]:
+    return ((life.start, life.end, life.nbytes) for life in lives)
+
+
 def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
     """Bytes live at each step, summed over the lives (each live on [start, end], inclusive)."""
-    delta = [0] * (len(steps) + 1)
-    for life in lives.values():
-        delta[life.start] += life.nbytes
-        delta[life.end + 1] -= life.nbytes
-    live, total = [], 0
-    for d in delta[:-1]:
-        total += d
-        live.append(total)
+    live = span_bytes(life_spans(lives.values()), len(steps)).tolist()
     backward_start = next((s.index for s in steps if s.phase == "backward"), len(steps))
     return Timeline(tuple(steps), tuple(live), backward_start)
 

@@ -21,8 +21,8 @@ from thunder_fp8shard import grouping
 from thunder_fp8shard.candidates import Candidate
 from thunder_fp8shard.layout import bucket_layout
 from thunder_fp8shard.liveness import (
-    Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives, timeline, uses,
-    with_sharding,
+    Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, life_spans, program_steps, span_bytes, storage_lives,
+    timeline, uses, with_sharding,
 )
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Bucket, Decision, MemoryTerm
@@ -152,7 +152,8 @@ def _greedy(candidates, model: MemoryModel, singles: list[Bucket], target, refus
         group = model._group(b)
         alone = {life: model.lives[life] for life in group.lives}
         sharded = with_sharding(alone, steps, [group])
-        deltas[name] = _live_bytes(sharded.values(), len(steps)) - _live_bytes(alone.values(), len(steps))
+        deltas[name] = (span_bytes(life_spans(sharded.values()), len(steps))
+                        - span_bytes(life_spans(alone.values()), len(steps)))
     current, notes = base, []
     if target is not None and current.max() <= target:
         notes.append(f"the predicted peak {current.max():,} B is already within the budget {target:,} B")
@@ -170,15 +171,6 @@ def _greedy(candidates, model: MemoryModel, singles: list[Bucket], target, refus
     if target is not None and not met:
         notes.append(f"budget {target:,} B cannot be met: the lowest predicted peak is {current.max():,} B")
     return notes
-
-
-def _live_bytes(lives, n_steps: int) -> np.ndarray:
-    """Bytes live per step of a few lives (the vectorised counterpart of ``liveness.timeline``)."""
-    delta = np.zeros(n_steps + 1, dtype=np.int64)
-    for life in lives:
-        delta[life.start] += life.nbytes
-        delta[life.end + 1] -= life.nbytes
-    return np.cumsum(delta[:-1])
 
 
 def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) -> list[str]:
