@@ -58,7 +58,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     for step in range(cfg["steps"]):
         objs = make()
         buckets = [objs[i : i + k] for i in range(0, len(objs), k)]
-        sizes = [bucket_layout([payload.nbytes(t) for o in b for t in _peek(o, payload)], world_size).shard_nbytes
+        sizes = [bucket_layout([n for o in b for n in _payload_nbytes(o, payload)], world_size).shard_nbytes
                  for b in buckets]
         shard_ops = [range(i, min(i + per_op, len(buckets))) for i in range(0, len(buckets), per_op)]
         del objs
@@ -102,16 +102,11 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def _peek(obj, payload):
-    """The buffers ``payload.take`` would hand over, without taking them."""
-    for kind in payload._KINDS:
-        if kind.matches(obj):
-            if kind.name == "tensor":
-                return [obj]
-            from thunder_fp8shard.payload_te import inner_buffers
-
-            return [t for _, kw, t in inner_buffers(obj) if kw in kind.large_kwargs and t is not None]
-    raise TypeError(type(obj))
+def _payload_nbytes(obj, payload) -> list[int]:
+    """The bytes of the buffers ``payload.take`` hands over, the object given its buffers back."""
+    buffers, member = payload.take(obj)
+    payload.give(member, buffers)
+    return [payload.nbytes(t) for t in buffers]
 
 
 def main() -> None:

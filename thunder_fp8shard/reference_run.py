@@ -69,9 +69,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
 
     result = RunResult([], [], [], None, [])
     for step, batch in enumerate(cfg.batch_sizes):
-        gen = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
-        x = torch.randn(batch, cfg.widths[0], generator=gen, requires_grad=True)
-        target = torch.randn(batch, cfg.widths[-1], generator=gen)
+        gen, x, target = _batch(rank, step, batch, cfg.widths)
         with saved_bytes() as saved:
             out = jm(x)
         loss = torch.nn.functional.mse_loss(out, target)
@@ -123,9 +121,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
 
     result = RunResult([], [], [], None, [])
     for step, batch in enumerate(cfg.batch_sizes):
-        gen = torch.Generator().manual_seed(1000 * rank + step)  # different data on every rank
-        x = torch.randn(batch, cfg.widths[0], generator=gen, requires_grad=True)
-        target = torch.randn(batch, cfg.widths[-1], generator=gen)
+        gen, x, target = _batch(rank, step, batch, cfg.widths)
         first = len(shard.plans)
         with saved_bytes() as saved:
             out = run(x)
@@ -143,6 +139,13 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
                 result.no_grad_output = run(torch.randn(2, cfg.widths[0], generator=gen))
     result.plans = list(shard.plans)
     return result
+
+
+def _batch(rank: int, step: int, batch: int, widths: tuple[int, ...]):
+    """This rank's data for one step (different on every rank), and the generator for anything drawn after it."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(batch, widths[0], generator=gen, requires_grad=True)
+    return gen, x, torch.randn(batch, widths[-1], generator=gen)
 
 
 def train_with_and_without(rank: int, world_size: int, cfg: RunConfig) -> tuple[RunResult, RunResult]:
