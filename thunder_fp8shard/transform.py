@@ -41,6 +41,7 @@ class _PendingForward:
     stand_in: TraceCtx  # what Thunder holds; filled with the rewritten forward by the backward hook
     seconds: float  # time the forward hook took
     device: DeviceMemory | None  # what the device's allocator said while this entry compiled (None on the CPU)
+    setup: integrations.Integration  # the distributed setup recognized for this compilation
 
 
 class ShardIntermediates(Transform):
@@ -86,7 +87,7 @@ class ShardIntermediates(Transform):
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance("ShardIntermediates: forward as compiled, until its backward is planned"))
         device = measure(fw, transformer_engine=bool(te_quantized_names(fw)))
-        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device)
+        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup)
         return stand_in
 
     def _backward(self, bw: TraceCtx) -> TraceCtx:
@@ -97,7 +98,7 @@ class ShardIntermediates(Transform):
         fw = pending.original
         if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
             raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
-        setup = integrations.detect(get_compile_data(), self.options)
+        setup = pending.setup
         world_size = setup.world_size
         plan, requests = self._plan(fw, bw, setup, pending.device)
         new_bw = bw
