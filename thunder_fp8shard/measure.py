@@ -13,18 +13,31 @@ _INNER_BUFFERS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_column
 
 
 class SavedBytes:
-    """Bytes of the distinct storages packed by autograd while the context was active."""
+    """Bytes of the distinct storages packed by autograd while the context was active, each counted at its size
+    when packed.
+
+    Storages are told apart by identity, held until the context exits: by address, a storage freed in place
+    (FSDP2 resizes an unsharded parameter's storage to 0 after its layer's forward) and a later one the allocator
+    put at the same address would count once."""
 
     def __init__(self) -> None:
-        self._storages: dict[int, int] = {}
+        self._storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        self._total: int | None = None
 
     @property
     def total(self) -> int:
-        return sum(self._storages.values())
+        if self._total is not None:
+            return self._total
+        return sum(nbytes for _, nbytes in self._storages.values())
 
     def add(self, t: torch.Tensor) -> None:
         for s in _storages(t):
-            self._storages[s.data_ptr()] = s.nbytes()
+            self._storages.setdefault(id(s), (s, s.nbytes()))
+
+    def close(self) -> None:
+        """Keep the total, let go of the storages."""
+        self._total = self.total
+        self._storages.clear()
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -44,5 +57,8 @@ def saved_bytes() -> Iterator[SavedBytes]:
         record.add(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield record
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield record
+    finally:
+        record.close()
