@@ -8,8 +8,8 @@ the profiled iteration is not timed by Thunder's benchmark, so the figures it re
 
 One JSON per comparison: Thunder's perf-metrics dict of every run under ``"without"`` and ``"with"`` (lists, in run
 order), the medians, the pass's plan (bytes, buckets, pass time), per-iteration times (iteration 0 is the
-compilation), the profile summaries (see ``profile_summary.py``), and the options, layers, world size, device
-and launch commands.
+compilation) and the milliseconds of Python garbage collection in each (full collections marked), the profile
+summaries (see ``profile_summary.py``), and the options, layers, world size, device and launch commands.
 
 Usage (one GPU a rank, NCCL)::
 
@@ -24,6 +24,7 @@ Pass options: ``--options '{"candidates": "all"}'``.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -67,6 +68,37 @@ class _IterationClock:
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
         return next(self.it)
+
+
+class _GcLog:
+    """Python's garbage collections while the benchmark runs: ``(start, generation, seconds)`` each. A full
+    collection walks every tracked object of the process (Thunder's traces of a 32-layer model are millions), so it
+    can stall one iteration of a CPU-bound step; this tells such stalls from the pass's cost."""
+
+    def __init__(self):
+        self.collections: list[tuple[float, int, float]] = []
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.collections.append((self._start, info["generation"], time.perf_counter() - self._start))
+            self._start = None
+
+
+def gc_per_iteration(starts: list[float], collections: list[tuple[float, int, float]]) -> dict:
+    """Milliseconds of garbage collection in each iteration (``starts``: the iterations' start times and the end of
+    the last), and the full (generation 2) collections' iterations."""
+    ms, full = [0.0] * (len(starts) - 1), []
+    for at, generation, seconds in collections:
+        i = next((k for k in range(len(ms)) if starts[k] <= at < starts[k + 1]), None)
+        if i is None:
+            continue
+        ms[i] += seconds * 1e3
+        if generation == 2:
+            full.append(i)
+    return {"iteration_gc_ms": ms, "full_collection_iterations": full}
 
 
 def split_cores(cpus: list[int], core_of: dict[int, int], n: int) -> list[list[int]]:
@@ -150,16 +182,19 @@ def worker(args, flags: list[str]) -> None:
     bl.Benchmark_litGPT.train = timed_train
     torch.set_float32_matmul_precision("high")  # as Thunder's __main__
     metrics_path = os.path.join(args.workdir, "metrics.json")
+    gc_log = _GcLog()
+    gc.callbacks.append(gc_log)
     try:
         CLI(bl.benchmark_main, args=[*flags, "--return_metrics_as_json=true", f"--json_path={metrics_path}"])
     finally:
+        gc.callbacks.remove(gc_log)
         if bl.world_size and bl.world_size > 1:
             torch.distributed.destroy_process_group()
     if rank != 0:
         return
     starts = clock["c"].starts
     extra = {"iteration_start_s": [t - starts[0] for t in starts[:-1]], "iteration_ms": [
-        (b - a) * 1e3 for a, b in zip(starts, starts[1:])]}
+        (b - a) * 1e3 for a, b in zip(starts, starts[1:])], **gc_per_iteration(starts, gc_log.collections)}
     if args.pin_cores:
         extra["rank0_cpus"] = pinned
     if shard is not None:

@@ -67,6 +67,14 @@ def test_comparison_takes_medians_and_merges_interleaved_halves(tmp_path):
 
 # ---- plan_accuracy.py: the measured and predicted timelines of one step ------------------------------------------------
 
+def test_garbage_collections_are_charged_to_their_iterations():
+    starts = [10.0, 10.5, 11.0, 11.5]  # three iterations, then the end of the last
+    collections = [(9.0, 2, 0.3), (10.1, 0, 0.001), (10.6, 2, 0.25), (10.9, 1, 0.01), (11.6, 2, 1.0)]
+    got = thunder_litgpt.gc_per_iteration(starts, collections)
+    assert got["iteration_gc_ms"] == pytest.approx([1.0, 260.0, 0.0])  # before the first and after the last: none
+    assert got["full_collection_iterations"] == [1]
+
+
 def test_pinning_gives_each_rank_whole_physical_cores():
     # 4 cores with 2 SMT siblings each (cpu k and k + 4 share core k), as Linux numbers them
     core_of = {cpu: cpu % 4 for cpu in range(8)}
