@@ -65,8 +65,6 @@ def test_comparison_takes_medians_and_merges_interleaved_halves(tmp_path):
     assert merged["summary"] == json.loads(json.dumps(s))
 
 
-# ---- plan_accuracy.py: the measured and predicted timelines of one step ------------------------------------------------
-
 def test_garbage_collections_are_charged_to_their_iterations():
     starts = [10.0, 10.5, 11.0, 11.5]  # three iterations, then the end of the last
     collections = [(9.0, 2, 0.3), (10.1, 0, 0.001), (10.6, 2, 0.25), (10.9, 1, 0.01), (11.6, 2, 1.0)]
@@ -83,6 +81,8 @@ def test_pinning_gives_each_rank_whole_physical_cores():
     with pytest.raises(ValueError, match="2 physical cores for 3 ranks"):
         thunder_litgpt.split_cores([0, 4, 1], core_of, 3)
 
+
+# ---- plan_accuracy.py: the measured and predicted timelines of one step ------------------------------------------------
 
 import linecache  # noqa: E402
 
