@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
-from thunder_fp8shard.liveness import life_spans, span_bytes
+from thunder_fp8shard.liveness import life_spans, span_bytes, with_sharding
 from thunder_fp8shard.plan import Bucket, Decision
 from thunder_fp8shard.resident import term_lives
 
@@ -90,7 +90,7 @@ def group(
     live_bytes = _LiveBytes(model, order)
     reference = live_bytes(build(singles, range(len(singles))))
     ceiling = (1 - HEADROOM) * reference.max()
-    fits = lambda trial: _free(live_bytes(trial), reference, ceiling) and _idle_everywhere(trial, model)  # noqa: E731
+    fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
 
     # buckets: one all-gather each
     buckets = _grow(
@@ -136,20 +136,16 @@ def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
 class _LiveBytes:
     """The predicted bytes live at each step for a grouping of ``chosen`` (``MemoryModel.evaluate``'s, vectorised):
     the lives that sharding does not touch, and the terms besides the program, are summed once; each trial adds
-    only the sharded storages, shards and gathered buffers."""
+    only what :func:`~thunder_fp8shard.liveness.with_sharding` makes of the sharded storages (their shortened
+    lives, shards and gathered buffers)."""
 
     def __init__(self, model: MemoryModel, chosen: Sequence[Decision]):
         self.model, self.n = model, len(model.steps)
-        self.life_of = {name: p.life for name, p in model.placements.items()}
-        touched = {self.life_of[d.name] for d in chosen}
+        touched = {model.placements[d.name].life for d in chosen}
         untouched = [life for life in model.lives.values() if life.name not in touched]
         self.base = span_bytes(life_spans([*untouched, *term_lives(list(model.terms)).values()]), self.n)
 
     def __call__(self, buckets: list[Bucket]) -> np.ndarray:
-        lives, spans = self.model.lives, []
-        for b in buckets:
-            own = [lives[n] for n in dict.fromkeys(self.life_of[m] for m in b.members)]
-            spans += [(life.start, b.shard_at, life.nbytes) for life in own]  # the full storage, until the shard op
-            spans.append((b.gather_at, max(life.end for life in own), b.gathered_nbytes))
-            spans.append((b.shard_at, b.shard_until, b.shard_nbytes))  # its part of the shard op's output
-        return self.base + span_bytes(spans, self.n)
+        groups = [self.model.sharded_group(b) for b in buckets]
+        touched = {name: self.model.lives[name] for g in groups for name in g.lives}
+        return self.base + span_bytes(life_spans(with_sharding(touched, self.model.steps, groups).values()), self.n)

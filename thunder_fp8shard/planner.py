@@ -64,10 +64,11 @@ class MemoryModel:
     def evaluate(self, buckets: list[Bucket], *, terms: bool = True) -> Timeline:
         """The predicted device timeline when ``buckets`` (from :func:`schedule`) are sharded (``terms=False``: the
         program's own tensors only)."""
-        lives = with_sharding(self.lives, self.steps, [self._group(b) for b in buckets])
+        lives = with_sharding(self.lives, self.steps, [self.sharded_group(b) for b in buckets])
         return timeline({**lives, **term_lives(list(self.terms))} if terms else lives, self.steps)
 
-    def _group(self, b: Bucket) -> ShardedGroup:
+    def sharded_group(self, b: Bucket) -> ShardedGroup:
+        """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.liveness.with_sharding`."""
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
         return ShardedGroup(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
                             b.first_use, b.shard_until)
@@ -149,7 +150,7 @@ def _greedy(candidates, model: MemoryModel, singles: list[Bucket], target, refus
         (name,) = b.members
         if name in refused:
             continue
-        group = model._group(b)
+        group = model.sharded_group(b)
         alone = {life: model.lives[life] for life in group.lives}
         sharded = with_sharding(alone, steps, [group])
         deltas[name] = (span_bytes(life_spans(sharded.values()), len(steps))
