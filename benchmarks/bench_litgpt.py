@@ -87,44 +87,6 @@ def _executors(cfg: RunConfig):
     return ex
 
 
-class SavedBytes:
-    """``saved_tensors_hooks`` that sum the distinct storages saved for backward (TE tensors by inner buffers)."""
-
-    def __init__(self):
-        self.seen: dict[int, int] = {}
-        self.count = 0
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
-
-    def _pack(self, t):
-        self.count += 1
-        for ptr, nbytes in _storages(t):
-            self.seen[ptr] = max(nbytes, self.seen.get(ptr, 0))
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.seen.values())
-
-
-def _storages(t) -> list[tuple[int, int]]:
-    if hasattr(type(t), "_INNER_TENSORS"):  # a TransformerEngine quantized tensor: its inner buffers
-        out = []
-        for attr, _kw in type(t)._INNER_TENSORS:
-            b = getattr(t, attr, None)
-            if b is not None:
-                out.append((b.untyped_storage().data_ptr(), b.untyped_storage().nbytes()))
-        return out
-    s = t.untyped_storage()
-    return [(s.data_ptr(), s.nbytes())]
-
-
 def _phase(rec: dict, name: str, device) -> None:
     """The peak of the phase that just ended and the memory allocated at its end; resets the peak counter."""
     if device.type != "cuda":
@@ -200,6 +162,8 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
 
 def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     """One rank's run; the process group is already initialized. Returns picklable results."""
+    from thunder_fp8shard.measure import saved_bytes
+
     s = setup_rank(rank, cfg)
     jm, opt, sh, device, n_params = s.jm, s.opt, s.shard, s.device, s.n_params
     gen = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
@@ -213,7 +177,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         sync()
         t0 = time.perf_counter()
         phase = {}
-        with SavedBytes() as sb:
+        with saved_bytes() as sb:
             logits = jm(x)
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         _phase(phase, "forward", device)
@@ -228,7 +192,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach().float().cpu().item())
-        saved.append(sb.nbytes)
+        saved.append(sb.total)
         peaks.append(max(v for k, v in phase.items() if k.startswith("peak_")))
         del logits, loss
 
