@@ -292,6 +292,11 @@ def storage_lives(
     return {life.name: life for life in lives}
 
 
+def storage_of(lives: Mapping[str, Life]) -> dict[str, Life]:
+    """Tensor name -> the life of the storage it belongs to."""
+    return {m: life for life in lives.values() for m in life.members}
+
+
 def span_bytes(spans: Iterable[tuple[int, int, int]], n_steps: int) -> np.ndarray:
     """Bytes live at each of ``n_steps`` steps, summed over ``(start, end, nbytes)`` spans (inclusive)."""
     arr = np.asarray(list(spans), dtype=np.int64).reshape(-1, 3)

@@ -22,7 +22,7 @@ from thunder_fp8shard.candidates import Candidate
 from thunder_fp8shard.layout import bucket_layout
 from thunder_fp8shard.liveness import (
     Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, life_spans, program_steps, span_bytes, storage_lives,
-    timeline, uses, with_sharding,
+    storage_of, timeline, uses, with_sharding,
 )
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Bucket, Decision, MemoryTerm
@@ -198,12 +198,12 @@ def memory_model(
     graph = joint_graph(fw, bw)
     lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
     steps = program_steps(fw, bw)
-    life_of = {m: life.name for life in lives.values() for m in life.members}
+    life_of = storage_of(lives)
     backward_start = graph.graph["backward_start"]
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
     placements = {}
     for c in candidates:
-        life = lives[life_of[c.name]]
+        life = life_of[c.name]
         forward_uses = [u for u in uses(graph, life.members) if u < backward_start]
         backward_uses = [u for u in uses(graph, [c.name]) if u >= backward_start and compute[u]]
         if backward_uses:

@@ -41,7 +41,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.liveness import Life, forward_return
+from thunder_fp8shard.liveness import Life, forward_return, storage_of
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, MemoryTerm
 from thunder_fp8shard.saved import numel, tensor_nbytes
 
@@ -65,7 +65,7 @@ def step_terms(
     whose storages are ``lives``; ``device`` is what was read from the device while compiling (None on the CPU)."""
     n_steps = len(fw.bound_symbols) + len(bw.bound_symbols)
     bw_start, last = len(fw.bound_symbols), n_steps - 1
-    life_of = {m: life for life in lives.values() for m in life.members}
+    life_of = storage_of(lives)
     inputs = [p for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)]
     outputs = list({p.name: p for p in forward_return(fw)[0]}.values())
     input_storages = {life_of[p.name].name for p in inputs if p.name in life_of}

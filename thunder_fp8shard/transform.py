@@ -23,6 +23,7 @@ from thunder_fp8shard import integrations
 from thunder_fp8shard.candidates import find_candidates, te_quantized_names
 from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.grouping import shard_op_nbytes
+from thunder_fp8shard.liveness import storage_of
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import choose, memory_model, soundness
@@ -141,7 +142,7 @@ class ShardIntermediates(Transform):
         decisions, buckets, notes = choose(sound, model, o, world_size)
         before, after = model.evaluate([]), model.evaluate(buckets)
         program_before, program_after = model.evaluate([], terms=False), model.evaluate(buckets, terms=False)
-        life_of = {m: life for life in model.lives.values() for m in life.members}
+        life_of = storage_of(model.lives)
         saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
         saved_after = saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members) + sum(
             b.shard_nbytes for b in buckets)
