@@ -21,7 +21,8 @@ compilation. The terms, in order:
   state the size of its parameter's local shard, as AdamW's two), every step; 0: not counted.
 - **persistent workspaces** (measured): what the device allocator gained when the pass forced the workspaces of
   the program's kernels into existence while compiling (cuBLAS, on the calling and the autograd threads;
-  TransformerEngine's GEMM workspace when the program has TE ops); every step. On the CPU: none.
+  TransformerEngine's GEMM workspace when the program has TE ops); every step. On the CPU: none. A workspace that
+  could not be forced is its own term, **unknown** (``<kind> workspace``), with the reason.
 - **kernel workspaces** (modelled): transient scratch of known kernels at their own step: the sdpa backward
   (flash, memory-efficient, cuDNN) keeps an fp32 accumulator the size of its output gradient.
 
@@ -42,7 +43,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.liveness import Life, forward_return, storage_of
-from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, MemoryTerm
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm
 from thunder_fp8shard.saved import numel, tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +82,7 @@ def step_terms(
         loss(outputs, options.loss_bytes, bw_start),
         optimizer_state(grads, options.optimizer_states, last),
         persistent_workspaces(device, last),
+        *workspaces_not_forced(device),
         kernel_workspaces(bw, bw_start),
     ]
 
@@ -133,6 +135,15 @@ def persistent_workspaces(device: DeviceMemory | None, last: int) -> MemoryTerm:
     nbytes = sum(b for _, b in device.workspaces)
     kinds = ", ".join(f"{kind} {b:,} B" for kind, b in device.workspaces) or "none"
     return MemoryTerm(name, MEASURED, f"allocated when forced at compilation: {kinds}", ((0, last, nbytes),))
+
+
+def workspaces_not_forced(device: DeviceMemory | None) -> list[MemoryTerm]:
+    """One unknown term per workspace the pass could not force into existence: it exists at run time, its bytes are
+    not in the predicted peak."""
+    if device is None:
+        return []
+    return [MemoryTerm(f"{kind} workspace", UNKNOWN, f"could not be forced at compilation ({why})")
+            for kind, why in device.not_forced]
 
 
 def kernel_workspaces(bw: TraceCtx, bw_start: int) -> MemoryTerm:
