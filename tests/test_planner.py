@@ -31,7 +31,8 @@ SOUND = [
 
 
 def _decide(model=MODEL, **options):
-    decisions, _, notes = choose(SOUND, model, ShardOptions(prefetch=0, **options), 2)
+    options = {"prefetch": 0, "optimizer_states": 0, **options}  # the hand model has no optimizer state
+    decisions, _, notes = choose(SOUND, model, ShardOptions(**options), 2)
     return {d.name: d for d in decisions}, notes
 
 

@@ -62,9 +62,17 @@ def test_loss_at_the_first_backward_step_by_rule_or_given():
 
 
 def test_optimizer_state_is_states_times_the_returned_gradients():
-    assert _terms()["optimizer state"].source == NOT_COUNTED
     t = _terms(ShardOptions(optimizer_states=2))["optimizer state"]
     assert (t.source, t.spans) == (MODELLED, ((0, LAST, 2 * 128),))  # gw: 128 B
+    none = _terms(ShardOptions(optimizer_states=0))["optimizer state"]
+    assert (none.source, none.spans, none.nbytes) == (GIVEN, (), 0)
+
+
+def test_optimizer_state_by_default_is_unknown_and_says_what_adamw_would_add():
+    t = _terms()["optimizer state"]
+    assert (t.source, t.spans, t.nbytes) == (UNKNOWN, (), 0)  # left out of the peak, not counted as 0 silently
+    assert "pass optimizer_states" in t.how and "AdamW: 2, which would add 2 x the gradients" in t.how
+    assert "= 256 B" in t.how  # gw: 128 B
 
 
 def test_persistent_workspaces_are_what_the_device_gained_when_forced():
@@ -139,20 +147,24 @@ def test_plan_says_which_terms_were_measured_modelled_or_given():
 
 
 def test_the_plans_headline_names_what_the_predicted_peak_leaves_out():
-    """The TE workspace could not be forced: the peak line says that it leaves it out, and why."""
+    """By default the optimizer's state is unknown (and here the TE workspace could not be forced): the peak line
+    says that it leaves them out, and what Adam/AdamW would add."""
     fw, bw, _ = _hand_traces()
     device = DeviceMemory("cuda:0", 0, (("cuBLAS", 24),), (("TransformerEngine GEMM", "ImportError: gone"),))
-    plan = _plan(memory_model(fw, bw, [], None, options=ShardOptions(optimizer_states=2), device=device))
-    assert [t.name for t in plan.left_out] == ["TransformerEngine GEMM workspace"]
+    plan = _plan(memory_model(fw, bw, [], None, options=ShardOptions(), device=device))
+    assert [t.name for t in plan.left_out] == ["optimizer state", "TransformerEngine GEMM workspace"]
     lines = str(plan).splitlines()
     headline = next(i for i, line in enumerate(lines) if line.startswith("predicted peak per rank"))
-    assert lines[headline].endswith(", WITHOUT 1 term(s) of unknown size:")
-    assert lines[headline + 1] == ("  leaves out the TransformerEngine GEMM workspace: could not be forced at "
+    assert lines[headline].endswith(", WITHOUT 2 term(s) of unknown size:")
+    assert lines[headline + 1].startswith("  leaves out the optimizer state: unknown: pass optimizer_states (Adam, "
+                                          "AdamW: 2, which would add 2 x the gradients the backward returns = 256 B")
+    assert lines[headline + 2] == ("  leaves out the TransformerEngine GEMM workspace: could not be forced at "
                                    "compilation (ImportError: gone)")
-    assert UNKNOWN in {line.split("  ")[0]: line for line in lines}["TransformerEngine GEMM workspace"]
+    assert UNKNOWN in {line.split("  ")[0]: line for line in lines}["optimizer state"]
 
 
-@pytest.mark.parametrize("bad", [{"optimizer_states": -1}, {"resident_bytes": 1.5}, {"loss_bytes": -2}])
+@pytest.mark.parametrize("bad", [{"optimizer_states": -1}, {"optimizer_states": 1.5}, {"resident_bytes": 1.5},
+                                 {"loss_bytes": -2}])
 def test_new_options_are_validated(bad):
     with pytest.raises(ValueError):
         ShardOptions(**bad)
