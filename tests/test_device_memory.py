@@ -98,7 +98,7 @@ def test_an_unknown_te_api_is_reported_as_not_forced_never_as_zero_bytes(allocat
     ((kind, why),) = m.not_forced
     assert kind == "TransformerEngine GEMM"
     assert "cannot import name 'get_cublas_workspace'" in why and "cannot import name 'get_workspace'" in why
-    assert "32 MiB + 1 KiB a device on compute capability >= 9.0" in why
+    assert "32 MiB (+ 1 KiB since 2.8) a device on compute capability >= 9.0" in why
     (term,) = workspaces_not_forced(m)
     assert (term.name, term.source, term.spans) == ("TransformerEngine GEMM workspace", UNKNOWN, ())
 

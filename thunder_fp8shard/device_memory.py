@@ -27,7 +27,8 @@ from thunder.core.trace import TraceCtx
 CUBLAS = "cuBLAS"
 TE_GEMM = "TransformerEngine GEMM"
 # what a workspace that could not be forced is known to weigh, for the plan's reason
-SIZE_HINTS = {TE_GEMM: "TE 2.x allocates 32 MiB + 1 KiB a device on compute capability >= 9.0, 4 MiB below"}
+SIZE_HINTS = {TE_GEMM: "TE 2.x allocates 32 MiB (+ 1 KiB since 2.8) a device on compute capability >= 9.0, "
+                       "4 MiB below"}
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def _te_workspace(dev: torch.device) -> object:
       same, so it is called positionally with an int and two bools. The userbuffers (``ub``: 3 x the size) and
       grouped-GEMM (one per cuBLAS stream) workspaces are created only by paths Thunder does not take.
     - TE <= 2.9: ``transformer_engine.pytorch.module.base.get_workspace()``, one module-level tensor of the same
-      size on the current device (set by the caller).
+      size (32 MiB without the 1 KiB before 2.8) on the current device (set by the caller).
     """
     try:
         from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace
