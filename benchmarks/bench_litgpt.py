@@ -153,7 +153,8 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
     transforms.append(FSDPTransform(device=device, sharding_strategy=FSDPType.ZERO3))
     sh = None
     if cfg.shard:
-        sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify, **cfg.extra)
+        options = {"optimizer_states": 2, **cfg.extra}  # the optimizer below is AdamW: two states a parameter
+        sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify, **options)
         transforms.append(sh)
     jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)

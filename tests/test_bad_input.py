@@ -15,6 +15,9 @@ from thunder_fp8shard.toy_models import FakeFP8MLP
         ({"method": "all_reduce"}, ValueError, r"method must be one of \('slice', 'reduce_scatter'\)"),
         ({"policy": "fastest"}, ValueError, r"policy must be one of \('all', 'peak', 'budget'\)"),
         ({"policy": "budget"}, ValueError, r"policy='budget' needs budget_bytes"),
+        ({"policy": "budget", "budget_bytes": 10}, ValueError,
+         r"policy='budget' needs optimizer_states \(the optimizer's state tensors per trained parameter: Adam, AdamW: 2"),
+        ({"optimizer_states": "adamw"}, ValueError, r"optimizer_states must be a non-negative int, got 'adamw'"),
         ({"budget_bytes": 10}, ValueError, r"budget_bytes is only used with policy='budget'"),
         ({"min_bytes": -1}, ValueError, r"min_bytes must be a non-negative int, got -1"),
         ({"prefetch": 1.5}, ValueError, r"prefetch must be a non-negative int, got 1.5"),
@@ -27,6 +30,11 @@ from thunder_fp8shard.toy_models import FakeFP8MLP
 def test_invalid_options_fail_at_construction(options, error, message):
     with pytest.raises(error, match=message):
         ShardIntermediates(**options)
+
+
+def test_budget_plans_once_optimizer_states_is_given():
+    for states in (0, 2):
+        assert ShardIntermediates(policy="budget", budget_bytes=10, optimizer_states=states).options.optimizer_states == states
 
 
 def _jit(transforms):
@@ -86,6 +94,32 @@ def test_world_size_one_shards_nothing_and_says_why(single_rank_group):
     assert len(replicated) == 3 and not plan.sharded
     assert all(d.reason == "world size is 1: there is nothing to shard over" for d in replicated)
     assert plan.saved_bytes_after == plan.saved_bytes_before
+
+
+@pytest.mark.parametrize("states", [None, 0, 2])
+def test_without_optimizer_states_the_headline_says_the_peak_leaves_out_the_optimizer_state(single_rank_group, states):
+    """A user who does not know ``optimizer_states`` reads, on the peak line itself, that the optimizer's state is
+    not in it and what Adam/AdamW would add; given (0 or 2), the peak line has no such caveat."""
+    shard = ShardIntermediates(optimizer_states=states)
+    jm = _jit([_fsdp(), shard])
+    x = torch.randn(3, 24, requires_grad=True)
+    jm(x).sum().backward()
+    plan = shard.plans[-1]
+    # the gradients the backward returns: the parameters' (world size 1: whole shards) and x's
+    grad_bytes = sum(p.numel() * p.element_size() for p in [*jm.parameters(), x])
+    lines = str(plan).splitlines()
+    headline = next(i for i, line in enumerate(lines) if line.startswith("predicted peak per rank"))
+    if states is None:
+        assert [t.name for t in plan.left_out] == ["optimizer state"]
+        assert lines[headline].endswith("WITHOUT 1 term(s) of unknown size:")
+        assert "leaves out the optimizer state: unknown: pass optimizer_states (Adam, AdamW: 2" in lines[headline + 1]
+        assert f"({2 * grad_bytes:,} B)" in lines[headline + 1]
+    else:
+        assert plan.left_out == [] and "WITHOUT" not in str(plan)
+    with_states = ShardIntermediates(optimizer_states=2)
+    _jit([_fsdp(), with_states])(torch.randn(3, 24, requires_grad=True)).sum().backward()
+    added = with_states.plans[-1].peak_bytes_before - plan.peak_bytes_before
+    assert added == {None: 2, 0: 2, 2: 0}[states] * grad_bytes  # the unknown term adds nothing to the peak
 
 
 def test_inference_only_records_an_empty_plan_and_changes_nothing(single_rank_group):

@@ -13,7 +13,7 @@ from test_liveness import HAND_LIVE, _hand_traces
 from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.liveness import storage_lives
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, MemoryTerm, ShardPlan
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, ShardPlan
 from thunder_fp8shard.planner import memory_model
 from thunder_fp8shard.resident import resident_at_call, step_terms, term_lives
 
@@ -62,17 +62,34 @@ def test_loss_at_the_first_backward_step_by_rule_or_given():
 
 
 def test_optimizer_state_is_states_times_the_returned_gradients():
-    assert _terms()["optimizer state"].source == NOT_COUNTED
     t = _terms(ShardOptions(optimizer_states=2))["optimizer state"]
     assert (t.source, t.spans) == (MODELLED, ((0, LAST, 2 * 128),))  # gw: 128 B
+    none = _terms(ShardOptions(optimizer_states=0))["optimizer state"]
+    assert (none.source, none.spans, none.nbytes) == (GIVEN, (), 0)
+
+
+def test_optimizer_state_by_default_is_unknown_and_says_what_adamw_would_add():
+    t = _terms()["optimizer state"]
+    assert (t.source, t.spans, t.nbytes) == (UNKNOWN, (), 0)  # left out of the peak, not counted as 0 silently
+    assert "pass optimizer_states" in t.how and "AdamW: 2, which would add 2 x the gradients" in t.how
+    assert "= 256 B" in t.how  # gw: 128 B
 
 
 def test_persistent_workspaces_are_what_the_device_gained_when_forced():
     assert _terms()["persistent workspaces"].source == NOT_COUNTED
     t = _terms(device=DeviceMemory("cuda:0", 0, (("cuBLAS", 1000), ("TransformerEngine GEMM", 24))))
+    assert "TransformerEngine GEMM workspace" not in t
     t = t["persistent workspaces"]
     assert (t.source, t.spans) == (MEASURED, ((0, LAST, 1024),))
     assert "cuBLAS 1,000 B" in t.how
+
+
+def test_a_workspace_that_could_not_be_forced_is_unknown_not_zero():
+    device = DeviceMemory("cuda:0", 0, (("cuBLAS", 1000),), (("TransformerEngine GEMM", "ImportError: no API"),))
+    terms = _terms(device=device)
+    measured, te = terms["persistent workspaces"], terms["TransformerEngine GEMM workspace"]
+    assert (measured.source, measured.nbytes) == (MEASURED, 1000) and "TransformerEngine" not in measured.how
+    assert (te.source, te.spans) == (UNKNOWN, ()) and "could not be forced at compilation (ImportError: no API)" in te.how
 
 
 def test_sdpa_backward_workspace_at_its_own_step():
@@ -108,24 +125,46 @@ def test_term_lives_one_per_span_and_none_for_empty_terms():
     assert terms[0].nbytes == 15 and terms[0].where(4) == "every step" and terms[1].where(4) == "-"
 
 
+def _plan(model):
+    before = model.evaluate([])
+    return ShardPlan(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=before.peak_bytes,
+                     peak_bytes_after=before.peak_bytes, program_peak_bytes_before=384, program_peak_bytes_after=384,
+                     terms=list(model.terms), timeline_before=before, timeline_after=before)
+
+
 def test_plan_says_which_terms_were_measured_modelled_or_given():
     fw, bw, _ = _hand_traces()
     model = memory_model(fw, bw, [], None, options=ShardOptions(resident_bytes=7, optimizer_states=2),
                          device=DeviceMemory("cuda:0", 0, (("cuBLAS", 24),)))
-    before = model.evaluate([])
-    plan = ShardPlan(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=before.peak_bytes,
-                     peak_bytes_after=before.peak_bytes, program_peak_bytes_before=384, program_peak_bytes_after=384,
-                     terms=list(model.terms), timeline_before=before, timeline_after=before)
+    plan = _plan(model)
     lines = str(plan).splitlines()
     row = {line.split("  ")[0]: line for line in lines}
     assert "384 -> 384" in row["jitted program (its peak)"]
     assert GIVEN in row["resident at the call"] and "every step" in row["resident at the call"]
     assert MEASURED in row["persistent workspaces"] and MODELLED in row["optimizer state"]
     assert "steps 5-5" in row["loss"]
-    assert f"{before.peak_bytes:,} B" in lines[-1]
+    assert f"{plan.peak_bytes_before:,} B" in lines[-1] and "WITHOUT" not in lines[-1] and plan.left_out == []
 
 
-@pytest.mark.parametrize("bad", [{"optimizer_states": -1}, {"resident_bytes": 1.5}, {"loss_bytes": -2}])
+def test_the_plans_headline_names_what_the_predicted_peak_leaves_out():
+    """By default the optimizer's state is unknown (and here the TE workspace could not be forced): the peak line
+    says that it leaves them out, and what Adam/AdamW would add."""
+    fw, bw, _ = _hand_traces()
+    device = DeviceMemory("cuda:0", 0, (("cuBLAS", 24),), (("TransformerEngine GEMM", "ImportError: gone"),))
+    plan = _plan(memory_model(fw, bw, [], None, options=ShardOptions(), device=device))
+    assert [t.name for t in plan.left_out] == ["optimizer state", "TransformerEngine GEMM workspace"]
+    lines = str(plan).splitlines()
+    headline = next(i for i, line in enumerate(lines) if line.startswith("predicted peak per rank"))
+    assert lines[headline].endswith(", WITHOUT 2 term(s) of unknown size:")
+    assert lines[headline + 1].startswith("  leaves out the optimizer state: unknown: pass optimizer_states (Adam, "
+                                          "AdamW: 2, which would add 2 x the gradients the backward returns = 256 B")
+    assert lines[headline + 2] == ("  leaves out the TransformerEngine GEMM workspace: could not be forced at "
+                                   "compilation (ImportError: gone)")
+    assert UNKNOWN in {line.split("  ")[0]: line for line in lines}["optimizer state"]
+
+
+@pytest.mark.parametrize("bad", [{"optimizer_states": -1}, {"optimizer_states": 1.5}, {"resident_bytes": 1.5},
+                                 {"loss_bytes": -2}])
 def test_new_options_are_validated(bad):
     with pytest.raises(ValueError):
         ShardOptions(**bad)

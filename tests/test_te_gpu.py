@@ -5,14 +5,18 @@ litgpt's ``Llama-2-7b-hf`` config with ``n_layer=2``, shrunk to keep the test fa
 intermediate 2816, vocab 4096, sequence 256, micro batch 2, bf16, under ``FSDPTransform(ZeRO-3)`` with the TE
 executor (DelayedScaling, the default recipe) and Thunder's sdpa executor left out (flash-attention backward is not
 bitwise reproducible run to run). Three AdamW steps with and without the pass must give bitwise equal losses and
-gradients. Memory and saved-bytes figures are printed (run pytest with ``-s`` to see them in the log).
+gradients. Memory and saved-bytes figures are printed (run pytest with ``-s`` to see them in the log). TE's GEMM
+workspace must be measured, not left out: in a fresh process (its size, and TE's GEMMs reuse it) and in each plan.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -58,6 +62,65 @@ def test_payload_roundtrip_float8tensor():
         assert g._scale_inv is not None and torch.equal(g.dequantize(), before)
 
 
+# In a process that has run no TE GEMM: measure() forces TE's GEMM workspace (TE >= 2.10:
+# cpp_extensions.gemm.get_cublas_workspace, an lru_cache of torch.empty, i.e. PyTorch's caching allocator), then TE
+# GEMMs (BasicLinear's functional forward and backward, the path of Thunder's TE executor) run and must find it.
+FRESH_PROCESS = textwrap.dedent("""
+    import json
+    import torch
+    from thunder.core import devices, dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import TraceCtx, tracectx
+    from transformer_engine.pytorch.cpp_extensions import gemm
+    from transformer_engine.pytorch.ops.basic.basic_linear import BasicLinear
+    from thunder_fp8shard.device_memory import measure
+
+    trace = TraceCtx()
+    with tracectx(trace):
+        trace.args = (TensorProxy("x", shape=(4, 4), dtype=dtypes.bfloat16, device=devices.to_device("cuda:0"),
+                                  requires_grad=False),)
+    cache = gemm.get_cublas_workspace
+    before = cache.cache_info()._asdict()
+    m = measure(trace, transformer_engine=True)
+    forced = cache.cache_info()._asdict()
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    y, _, _ = BasicLinear._functional_forward(x, w, dtype=torch.bfloat16)
+    BasicLinear._functional_backward(torch.ones_like(y), x, w, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    print("RESULT " + json.dumps({
+        "workspaces": m.workspaces, "not_forced": m.not_forced, "size": gemm.get_cublas_workspace_size_bytes(),
+        "cache_before": before, "cache_forced": forced, "cache_after_gemms": cache.cache_info()._asdict(),
+    }))
+""")
+
+
+def test_te_gemm_workspace_is_measured_in_a_fresh_process():
+    """TE 2.20's GEMM workspace is forced and measured (never the 0 B or the warning of a missing API), its bytes are
+    its size, and TE's GEMMs afterwards reuse it: no second workspace is created."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    r = json.loads(done.stdout.split("RESULT ", 1)[1])
+    print("TE_WORKSPACE_REPORT " + json.dumps(r))
+    kinds = dict(r["workspaces"])
+    assert r["not_forced"] == [], r["not_forced"]
+    assert r["size"] == 32 * 1024 * 1024 + 1024  # compute capability >= 9.0 (the H200)
+    # the allocator gained the workspace (rounded to the allocator's 512 B blocks, at most one more 2 MiB slab)
+    assert r["size"] <= kinds["TransformerEngine GEMM"] < r["size"] + (2 << 20), kinds
+    assert r["cache_before"]["currsize"] == 0 and r["cache_forced"]["currsize"] == 1
+    after = r["cache_after_gemms"]
+    assert after["currsize"] == 1 and after["misses"] == 1 and after["hits"] >= 3, after  # fwd, dgrad, wgrad
+
+
+def _assert_te_workspace_measured(plan_text: str):
+    """The plan's persistent workspaces hold TE's GEMM workspace, measured (the rank's first compilation)."""
+    found = re.search(r"TransformerEngine GEMM ([\d,]+) B", plan_text)
+    assert found and int(found.group(1).replace(",", "")) >= 32 * 1024 * 1024 + 1024, found
+    assert "TransformerEngine GEMM workspace" not in plan_text  # no unknown term: forcing it did not fail
+
+
 def _run(shard: bool, backend: str = "gloo", **options):
     cfg = bench.RunConfig(**SMALL, shard=shard, extra=options)
     return run_on_ranks(bench.run_rank, 2, cfg, backend=backend)
@@ -98,6 +161,7 @@ def test_llama_zero3_te_nccl_two_gpus_bitwise(options):
     _assert_bitwise_equal_and_nonzero(without, with_)
     plan = with_[0]["plan"]
     _assert_weight_copies_sharded(plan)
+    _assert_te_workspace_measured(plan["text"])
     for a, b in zip(without, with_):
         assert b["saved_bytes_measured"] < a["saved_bytes_measured"]
     print("NCCL_REPORT " + json.dumps({"losses": [r["losses"] for r in with_], "plan": plan["text"]}))
@@ -124,6 +188,7 @@ def test_llama_zero3_te_bitwise_and_memory():
     inputs = [d for d in te_dec if not d["replicated"]]
     print(plan["text"])
     weights = _assert_weight_copies_sharded(plan)
+    _assert_te_workspace_measured(plan["text"])
     assert inputs and not any(d["sharded"] for d in inputs), "TE quantized inputs are per-rank: never sharded"
     assert all("per-rank" in d["reason"] for d in inputs)
     fp8w = sum(d["nbytes"] for d in weights)

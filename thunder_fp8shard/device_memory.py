@@ -5,13 +5,17 @@ program runs. It reads ``torch.cuda.memory_allocated`` (everything alive then: p
 a later compilation the optimizer's state), then forces the workspaces of the program's kernels into existence and
 records what each one added: cuBLAS keeps one per handle and stream, and the autograd engine runs the backward on
 its own thread (its own handle), so a tiny linear layer is run forward and backward; TransformerEngine keeps one
-GEMM workspace (asked for when the program has TE ops). A workspace that already existed adds 0 bytes and is in
-``allocated_bytes`` instead. On the CPU (no CUDA tensor among the program's inputs) nothing is measured.
+cuBLAS workspace per device for its GEMMs (asked for when the program has TE ops; see :func:`_te_workspace`). Both
+are allocated through PyTorch's caching allocator, so ``memory_allocated`` (and ``max_memory_allocated``) see them.
+A workspace that already existed adds 0 bytes and is in ``allocated_bytes`` instead. A workspace that could not be
+forced (an API this module does not know) is listed in ``not_forced`` with the reason, and a warning is issued: the
+plan then says that the predicted peak leaves it out. On the CPU (no CUDA tensor among the program's inputs) nothing
+is measured.
 """
 
 from __future__ import annotations
 
-import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +24,11 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-log = logging.getLogger(__name__)
+CUBLAS = "cuBLAS"
+TE_GEMM = "TransformerEngine GEMM"
+# what a workspace that could not be forced is known to weigh, for the plan's reason
+SIZE_HINTS = {TE_GEMM: "TE 2.x allocates 32 MiB (+ 1 KiB since 2.8) a device on compute capability >= 9.0, "
+                       "4 MiB below"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,7 @@ class DeviceMemory:
     device: str  # e.g. "cuda:0"
     allocated_bytes: int  # torch.cuda.memory_allocated(device) before any workspace was forced
     workspaces: tuple[tuple[str, int], ...]  # (kind, bytes the allocator gained when it was forced into existence)
+    not_forced: tuple[tuple[str, str], ...] = ()  # (kind, why it could not be forced): its bytes are unknown
 
 
 def program_device(trace: TraceCtx) -> str | None:
@@ -45,21 +54,30 @@ def measure(trace: TraceCtx, *, transformer_engine: bool) -> DeviceMemory | None
         return None
     dev = torch.device(device)
     allocated = torch.cuda.memory_allocated(dev)
-    workspaces = [("cuBLAS", _growth(dev, lambda: _run_linear(dev)))]
+    forces: list[tuple[str, Callable[[], object]]] = [(CUBLAS, lambda: _run_linear(dev))]
     if transformer_engine:
-        workspaces.append(("TransformerEngine GEMM", _growth(dev, _te_workspace)))
-    return DeviceMemory(device, allocated, tuple(workspaces))
+        forces.append((TE_GEMM, lambda: _te_workspace(dev)))
+    workspaces, not_forced = [], []
+    for kind, force in forces:
+        grown, error = _growth(dev, force)
+        if error is None:
+            workspaces.append((kind, grown))
+        else:
+            not_forced.append((kind, f"{error}; {SIZE_HINTS[kind]}" if kind in SIZE_HINTS else error))
+            warnings.warn(f"ShardIntermediates: could not force the {kind} workspace into existence ({error}); the "
+                          "predicted peak leaves it out, and the plan says so", RuntimeWarning, stacklevel=2)
+    return DeviceMemory(device, allocated, tuple(workspaces), tuple(not_forced))
 
 
-def _growth(dev: torch.device, force: Callable[[], None]) -> int:
+def _growth(dev: torch.device, force: Callable[[], object]) -> tuple[int, str | None]:
+    """What the allocator gained while ``force`` ran, and None; or 0 and why it raised."""
     before = torch.cuda.memory_allocated(dev)
     try:
         with torch.cuda.device(dev):
             force()
-    except Exception as e:  # a missing API counts 0, and says so in the log
-        log.warning("ShardIntermediates: could not force a workspace (%s); it counts 0 bytes", e)
-        return 0
-    return max(torch.cuda.memory_allocated(dev) - before, 0)
+    except Exception as e:  # an API this module does not know: reported, never counted as 0 bytes
+        return 0, f"{type(e).__name__}: {e}"
+    return max(torch.cuda.memory_allocated(dev) - before, 0), None
 
 
 def _run_linear(dev: torch.device) -> None:
@@ -71,7 +89,25 @@ def _run_linear(dev: torch.device) -> None:
     del w
 
 
-def _te_workspace() -> None:
-    from transformer_engine.pytorch.module.base import get_workspace
+def _te_workspace(dev: torch.device) -> object:
+    """Creates (or finds) the cuBLAS workspace TransformerEngine's GEMMs use on ``dev`` and returns it.
 
-    get_workspace()
+    - TE >= 2.10: ``transformer_engine.pytorch.cpp_extensions.gemm.get_cublas_workspace(device, ub, grouped_gemm)``,
+      an ``lru_cache`` of ``torch.empty(get_cublas_workspace_size_bytes(), dtype=uint8)``: 32 MiB + 1 KiB on compute
+      capability >= 9 (Hopper), 4 MiB below. ``general_gemm`` (the path of ``BasicLinear``, which Thunder's TE
+      executor calls) asks for ``(tensor.device.index, False, False)`` positionally; the cache key must be the
+      same, so it is called positionally with an int and two bools. The userbuffers (``ub``: 3 x the size) and
+      grouped-GEMM (one per cuBLAS stream) workspaces are created only by paths Thunder does not take.
+    - TE <= 2.9: ``transformer_engine.pytorch.module.base.get_workspace()``, one module-level tensor of the same
+      size (32 MiB without the 1 KiB before 2.8) on the current device (set by the caller).
+    """
+    try:
+        from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace
+    except ImportError as new_api:
+        try:
+            from transformer_engine.pytorch.module.base import get_workspace
+        except ImportError as old_api:
+            raise ImportError(f"neither TE >= 2.10's API ({new_api}) nor TE <= 2.9's ({old_api})") from old_api
+        return get_workspace()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return get_cublas_workspace(int(index), False, False)

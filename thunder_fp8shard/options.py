@@ -21,7 +21,8 @@ class ShardOptions:
         reduce-scatters the replicas with MAX, which returns the same bytes when they are identical.
     verify: check at shard time that every rank holds identical bytes (one small all-gather of digests per tensor).
     policy: ``"all"`` shards every sound candidate; ``"peak"`` only those that lower the predicted peak;
-        ``"budget"`` shards the fewest bytes of all-gather traffic that bring the peak to ``budget_bytes``.
+        ``"budget"`` shards the fewest bytes of all-gather traffic that bring the peak to ``budget_bytes`` (it needs
+        ``optimizer_states``).
     budget_bytes: per-rank peak target for ``policy="budget"``, in device bytes: what
         ``torch.cuda.max_memory_allocated`` will read, i.e. the program plus the memory the step runs in (the
         terms of :mod:`thunder_fp8shard.resident`), not the program's bytes alone.
@@ -38,8 +39,12 @@ class ShardOptions:
         counted); an int replaces that measurement.
     optimizer_states: the optimizer's state tensors per trained parameter, each the size of its local shard (Adam,
         AdamW: 2; SGD with momentum: 1), counted on top of the measured resident bytes: the optimizer creates them
-        at its first step, after the first call compiled. 0 (the default): not counted; keep 0 for a compilation
-        after the optimizer's first step (a new input shape), whose resident measurement already holds them.
+        at its first step, after the first call compiled. None (the default): unknown; the predicted peak leaves
+        them out and the plan's headline says so, with what Adam/AdamW would add (the pass cannot see the optimizer:
+        it is the caller's object, outside every trace, and its state does not exist yet when the first call
+        compiles). 0: no optimizer state, or it is already counted: in ``resident_bytes``, or in the resident
+        measurement of a compilation after the optimizer's first step (a new input shape), which holds it.
+        ``policy="budget"`` needs it given.
     loss_bytes: device bytes the loss computed outside the program holds at the start of the backward. None (the
         default): 2 x the forward's floating-point outputs (a cross-entropy on them).
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
@@ -62,7 +67,7 @@ class ShardOptions:
     bucket_bytes: int = 256 << 20
     comm: str = "shared"
     resident_bytes: int | None = None
-    optimizer_states: int = 0
+    optimizer_states: int | None = None
     loss_bytes: int | None = None
     group: object = None
 
@@ -74,8 +79,7 @@ class ShardOptions:
         _non_negative_int("prefetch", self.prefetch)
         _non_negative_int("bucket_bytes", self.bucket_bytes)
         _one_of("comm", self.comm, COMMS)
-        _non_negative_int("optimizer_states", self.optimizer_states)
-        for name in ("resident_bytes", "loss_bytes"):
+        for name in ("resident_bytes", "optimizer_states", "loss_bytes"):
             if getattr(self, name) is not None:
                 _non_negative_int(name, getattr(self, name))
         if self.group is not None:
@@ -92,6 +96,12 @@ class ShardOptions:
             if self.budget_bytes is None:
                 raise ValueError("ShardIntermediates: policy='budget' needs budget_bytes (per-rank peak in bytes)")
             _non_negative_int("budget_bytes", self.budget_bytes)
+            if self.optimizer_states is None:
+                raise ValueError(
+                    "ShardIntermediates: policy='budget' needs optimizer_states (the optimizer's state tensors per "
+                    "trained parameter: Adam, AdamW: 2; SGD with momentum: 1; none, or already in resident_bytes: 0): "
+                    "the budget is in device bytes and the optimizer's state is among them, but the pass cannot see it"
+                )
         elif self.budget_bytes is not None:
             raise ValueError(f"ShardIntermediates: budget_bytes is only used with policy='budget', not {self.policy!r}")
 

@@ -35,6 +35,7 @@ MEASURED = "measured"  # read from the device while the first call compiled
 MODELLED = "modelled"  # by a rule from the traces and the options
 GIVEN = "given"  # an option the user set
 NOT_COUNTED = "not counted"  # known to exist but 0 here (nothing to measure on this device, or no rule)
+UNKNOWN = "unknown"  # present in the step but of unknown size: left out of the predicted peak, the headline says so
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class MemoryTerm:
     laid on the joint timeline as ``spans``: ``(first step, last step, bytes)``, inclusive. Per rank."""
 
     name: str  # e.g. "optimizer state"
-    source: str  # MEASURED, MODELLED, GIVEN or NOT_COUNTED
+    source: str  # MEASURED, MODELLED, GIVEN, NOT_COUNTED or UNKNOWN
     how: str  # one line: what was measured, or the rule
     spans: tuple[tuple[int, int, int], ...] = ()
 
@@ -109,6 +110,11 @@ class ShardPlan:
         return tuple(sorted(b.gather_at for b in self.buckets))
 
     @property
+    def left_out(self) -> list[MemoryTerm]:
+        """The terms of unknown size, which the predicted peak leaves out (its headline names them)."""
+        return [t for t in self.terms if t.source == UNKNOWN]
+
+    @property
     def sharded(self) -> list[Decision]:
         return [d for d in self.decisions if d.sharded]
 
@@ -132,19 +138,21 @@ class ShardPlan:
             f"method {self.method}, policy {self.policy}, "
             f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
             + (f"in {len(self.buckets)} bucket(s) kept by {len({b.shard_op for b in self.buckets})} shard op(s), "
-               f"each of at most {_fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
+               f"each of at most {fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
             + f", on {'a dedicated' if self.comm == 'dedicated' else 'its own'} process group; "
             f"the pass took {self.pass_seconds:.2f} s",
             fmt(header),
             *(fmt(r) for r in rows),
-            f"saved for backward per rank: {_fmt_bytes(self.saved_bytes_before)} -> {_fmt_bytes(self.saved_bytes_after)}",
+            f"saved for backward per rank: {fmt_bytes(self.saved_bytes_before)} -> {fmt_bytes(self.saved_bytes_after)}",
         ]
         if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
             lines += self._terms_table()
             lines.append(
-                f"predicted peak per rank:     {_fmt_bytes(self.peak_bytes_before)} -> {_fmt_bytes(self.peak_bytes_after)}"
+                f"predicted peak per rank:     {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}"
                 + _peak_where(self.timeline_before, self.timeline_after)
+                + (f", WITHOUT {len(self.left_out)} term(s) of unknown size:" if self.left_out else "")
             )
+            lines += [f"  leaves out the {t.name}: {t.how}" for t in self.left_out]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -178,7 +186,8 @@ def _peak_where(before, after) -> str:
     return f" (before at {before.peak_step.phase} step {before.peak_step.index}, after at {after.peak_step.phase} step {after.peak_step.index})"
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
+    """``n`` bytes in words: the largest binary unit it reaches, and the exact count."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.2f} {unit} ({n:,} B)"

@@ -25,7 +25,7 @@ from thunder_fp8shard.liveness import (
     storage_of, timeline, uses, with_sharding,
 )
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Bucket, Decision, MemoryTerm
+from thunder_fp8shard.plan import UNKNOWN, Bucket, Decision, MemoryTerm
 from thunder_fp8shard.replication import Replication
 from thunder_fp8shard.resident import step_terms, term_lives
 
@@ -134,6 +134,10 @@ def choose(
     if options.policy != "all":
         target = options.budget_bytes if options.policy == "budget" else None
         notes = _greedy(candidates, model, singles, target, refused)
+        unknown = [t.name for t in model.terms if t.source == UNKNOWN]
+        if target is not None and unknown:
+            notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
+                         "size): the step can exceed it by that much")
     final = [d if d.name not in refused else replace(d, sharded=False, shard_nbytes=0, reason=refused[d.name]) for d in sound]
     buckets = schedule([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes, **sched)
     return final, buckets, notes

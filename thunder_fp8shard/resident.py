@@ -17,11 +17,15 @@ compilation. The terms, in order:
 - **loss** (modelled; ``loss_bytes``: given): computed outside the program between forward and backward, put on
   the first backward step; rule: 2 x the bytes of the forward's floating-point outputs (cross-entropy: the saved
   log-softmax and the gradient being computed from it; the gradient handed to the backward is the program's).
-- **optimizer state** (modelled): ``optimizer_states`` x the bytes of the gradients the backward returns (each
-  state the size of its parameter's local shard, as AdamW's two), every step; 0: not counted.
+- **optimizer state** (modelled; ``optimizer_states=0``: given): ``optimizer_states`` x the bytes of the gradients
+  the backward returns (each state the size of its parameter's local shard, as AdamW's two), every step. None (the
+  default): **unknown**, left out of the predicted peak, and the plan's headline says so and what Adam/AdamW would
+  add. The pass cannot find it: the optimizer is the caller's object, holds no trace the pass sees, and creates its
+  state at its first step, after the first call compiled (a later compilation's resident measurement holds it).
 - **persistent workspaces** (measured): what the device allocator gained when the pass forced the workspaces of
   the program's kernels into existence while compiling (cuBLAS, on the calling and the autograd threads;
-  TransformerEngine's GEMM workspace when the program has TE ops); every step. On the CPU: none.
+  TransformerEngine's GEMM workspace when the program has TE ops); every step. On the CPU: none. A workspace that
+  could not be forced is its own term, **unknown** (``<kind> workspace``), with the reason.
 - **kernel workspaces** (modelled): transient scratch of known kernels at their own step: the sdpa backward
   (flash, memory-efficient, cuDNN) keeps an fp32 accumulator the size of its output gradient.
 
@@ -42,7 +46,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.liveness import Life, forward_return, storage_of
-from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, MemoryTerm
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, fmt_bytes
 from thunder_fp8shard.saved import numel, tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +85,7 @@ def step_terms(
         loss(outputs, options.loss_bytes, bw_start),
         optimizer_state(grads, options.optimizer_states, last),
         persistent_workspaces(device, last),
+        *workspaces_not_forced(device),
         kernel_workspaces(bw, bw_start),
     ]
 
@@ -118,12 +123,17 @@ def loss(outputs: list[TensorProxy], given: int | None, bw_start: int) -> Memory
                       "the first backward step", ((bw_start, bw_start, LOSS_COPIES * floating),))
 
 
-def optimizer_state(grads: list[TensorProxy], states: int, last: int) -> MemoryTerm:
+def optimizer_state(grads: list[TensorProxy], states: int | None, last: int) -> MemoryTerm:
     name = "optimizer state"
+    grad_bytes = sum(tensor_nbytes(g) for g in grads)
+    if states is None:
+        return MemoryTerm(name, UNKNOWN, "unknown: pass optimizer_states (Adam, AdamW: 2, which would add 2 x the "
+                          f"gradients the backward returns = {fmt_bytes(2 * grad_bytes)}; SGD with momentum: 1; none, "
+                          "or already in resident_bytes or the resident measurement: 0)")
     if not states:
-        return MemoryTerm(name, NOT_COUNTED, "optimizer_states=0 (AdamW: 2)")
-    nbytes = states * sum(tensor_nbytes(g) for g in grads)
-    return MemoryTerm(name, MODELLED, f"{states} x the gradients the backward returns", ((0, last, nbytes),))
+        return MemoryTerm(name, GIVEN, "optimizer_states=0: none, or held in the resident bytes")
+    return MemoryTerm(name, MODELLED, f"{states} x the gradients the backward returns",
+                      ((0, last, states * grad_bytes),))
 
 
 def persistent_workspaces(device: DeviceMemory | None, last: int) -> MemoryTerm:
@@ -133,6 +143,15 @@ def persistent_workspaces(device: DeviceMemory | None, last: int) -> MemoryTerm:
     nbytes = sum(b for _, b in device.workspaces)
     kinds = ", ".join(f"{kind} {b:,} B" for kind, b in device.workspaces) or "none"
     return MemoryTerm(name, MEASURED, f"allocated when forced at compilation: {kinds}", ((0, last, nbytes),))
+
+
+def workspaces_not_forced(device: DeviceMemory | None) -> list[MemoryTerm]:
+    """One unknown term per workspace the pass could not force into existence: it exists at run time, its bytes are
+    not in the predicted peak."""
+    if device is None:
+        return []
+    return [MemoryTerm(f"{kind} workspace", UNKNOWN, f"could not be forced at compilation ({why})")
+            for kind, why in device.not_forced]
 
 
 def kernel_workspaces(bw: TraceCtx, bw_start: int) -> MemoryTerm:
