@@ -1,4 +1,4 @@
-"""Sharding over subgroups (``shard_group_size=k``): the shards are 1/k over runs of k consecutive
+"""Sharding over subgroups (``shard_group_size=k``) and FSDP2 HSDP: the shards are 1/k over runs of k consecutive
 ranks, bitwise exact on real gloo ranks, and sizes that do not divide the world are refused."""
 
 import pytest
@@ -109,3 +109,32 @@ def test_subgroup_of_2_under_thunder_fsdp_zero3_over_4_ranks_is_exact():
         assert plan.shard_ranks == ((0, 1) if rank < 2 else (2, 3))
         assert {d.shape for d in plan.sharded} == WEIGHT_SHAPES
         assert all(d.shard_nbytes == -(-d.nbytes // 2) for d in plan.sharded)
+
+
+def _kept_outside_the_subgraphs(shard_size, batch):
+    """Bytes autograd keeps under FSDP2 that no subgraph's plan counts: the GELU inputs between the layers, and the
+    padding of each saved unsharded weight (dim 0 padded to a multiple of the shard dimension, float32)."""
+    gelu_inputs = sum(batch * w for w in WIDTHS[1:-1]) * 4
+    padding = sum((-o % shard_size) * i for i, o in zip(WIDTHS[:-1], WIDTHS[1:])) * 4
+    return gelu_inputs + padding
+
+
+def test_fsdp2_hsdp_2x2_shards_over_the_mesh_shard_dimension_and_is_exact():
+    """FSDP2 HSDP on a 2 x 2 mesh (replicate x shard) under ThunderFX: the shards default to the mesh's shard
+    dimension (ranks {0, 1} and {2, 3}); bitwise exact, FSDP2's reduce-scatter and all-reduce included."""
+    cfg = RunConfig(widths=WIDTHS, api="fsdp2", mesh_shape=(2, 2), batch_sizes=(3, 3), no_grad_call=False,
+                    options={"min_bytes": 0})
+    results = run_on_ranks(train_with_and_without, 4, cfg)
+    # the second step hits the cache entries of the first: no new plan, the first step's hold
+    step_plans = lambda r: [[r.plans[i] for i in r.step_plans[0]]] * 2  # noqa: E731
+    assert all(r[1].step_plans[1] == [] for r in results)
+    for rank, step, plans, unplanned, saves in _check_exact_and_as_planned(results, step_plans):
+        outside = _kept_outside_the_subgraphs(2, cfg.batch_sizes[step])
+        assert unplanned == (outside, outside) and saves
+        assert len(plans) == 3 and {p.sharded[0].shape for p in plans} == WEIGHT_SHAPES
+        for plan in plans:
+            assert plan.integration == "FSDP2 HSDP (fully_shard over a 2-D mesh) under ThunderFX"
+            assert (plan.world_size, plan.shard_group_size, plan.shard_group_kind) == (4, 2, "own")
+            assert plan.shard_ranks == ((0, 1) if rank < 2 else (2, 3))
+            assert len(plan.sharded) == 1 and plan.sharded[0].shard_nbytes == -(-plan.sharded[0].nbytes // 2)
+            assert "2 x 2 mesh" in plan.notes[0] and "the default" in plan.notes[0]
