@@ -219,6 +219,9 @@ def plan_summary(plans) -> dict:
     fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
     return {
         "text": str(plan), "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
+        # older versions of the pass shard over the whole group and count no all-gathered bytes
+        "shard_group_size": getattr(plan, "k", plan.world_size),
+        "gathered_bytes_per_step": getattr(plan, "gathered_bytes_per_step", None),
         # older versions of the pass have neither buckets nor a recorded pass time
         "pass_seconds": getattr(plan, "pass_seconds", None),
         "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in plans),
@@ -287,7 +290,8 @@ def run_side(side: str, args, flags: list[str]) -> dict:
 
 
 def compare(runs: list[dict]) -> dict:
-    """Medians of each side and the overhead; the memory reduction against (N-1)/N of the sharded FP8 bytes."""
+    """Medians of each side and the overhead; the memory reduction against (k-1)/k of the sharded FP8 bytes (k: the
+    ranks each copy is sharded over, N unless shard_group_size says otherwise)."""
     med = {side: {k: statistics.median(r["perf_metrics"][k] for r in runs if r["side"] == side)
                   for k in ("average_iter_time", "memory_used_GB")}
            for side in ("without", "with") if any(r["side"] == side for r in runs)}
@@ -297,7 +301,7 @@ def compare(runs: list[dict]) -> dict:
         out["overhead_pct"] = 100 * (w["average_iter_time"] / wo["average_iter_time"] - 1)
         out["memory_reduction_GB"] = wo["memory_used_GB"] - w["memory_used_GB"]
         plan = next(r["plan"] for r in runs if r["side"] == "with")
-        n = plan["world_size"]
+        n = plan.get("shard_group_size") or plan["world_size"]
         for key in ("fp8_weight_bytes", "sharded_bytes"):
             ideal = (n - 1) / n * plan[key] / 1e9
             out[f"ideal_reduction_GB_{key}"] = ideal

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from thunder_fp8shard import ShardIntermediates
+from thunder_fp8shard.planner import ONE_RANK
 from thunder_fp8shard.toy_models import FakeFP8MLP
 
 
@@ -92,7 +93,7 @@ def test_world_size_one_shards_nothing_and_says_why(single_rank_group):
     plan = shard.plans[-1]
     replicated = [d for d in plan.decisions if d.replicated]
     assert len(replicated) == 3 and not plan.sharded
-    assert all(d.reason == "world size is 1: there is nothing to shard over" for d in replicated)
+    assert all(d.reason == ONE_RANK for d in replicated)
     assert plan.saved_bytes_after == plan.saved_bytes_before
 
 
@@ -204,5 +205,5 @@ def test_fsdp2_on_one_rank_proves_the_gathered_weight_copies_replicated(single_r
     for plan in shard.plans:
         assert plan.integration == "FSDP2 (fully_shard) under ThunderFX" and not plan.sharded
         (weight_copy,) = [d for d in plan.decisions if d.replicated]
-        assert weight_copy.dtype == "float8_e4m3fn" and weight_copy.reason == "world size is 1: there is nothing to shard over"
+        assert weight_copy.dtype == "float8_e4m3fn" and weight_copy.reason == ONE_RANK
         assert all("not an unsharded FSDP2 parameter" in d.reason for d in plan.decisions if not d.replicated)

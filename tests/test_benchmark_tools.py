@@ -202,3 +202,52 @@ def test_a_dumped_memory_model_loads_back_and_replays_the_grouping(tmp_path):
     replayed = model_dump.replay(path, 1024, 0)
     # at step 5: X, A and the loss term, and the bucket's two 256 B shards instead of both 512 B copies
     assert replayed["bucket_members"] == [2] and replayed["peak_after"] == 1000 + 3000 + 7 + 512
+
+
+# ---- the paired benchmark (benchmarks/paired.py): its schedule and statistics ---------------------------------------
+
+import numpy as np  # noqa: E402
+
+import paired  # noqa: E402
+
+
+def test_paired_schedule_is_abba_quads_against_the_base_for_each_arm():
+    s = paired.quad_schedule(3, 2)
+    assert [arm for _, _, arm in s] == [0, 1, 1, 0, 0, 2, 2, 0] * 2
+    assert [q for q, _, _ in s] == [q for q in range(4) for _ in range(4)]
+    # within each arm's quads, it runs once after itself and once after the other side, as the base does
+    seq = [arm for _, _, arm in s]
+    after_self = {k: sum(1 for a, b in zip(seq, seq[1:]) if b == k and a == k) for k in (1, 2)}
+    assert after_self == {1: 2, 2: 2}
+
+
+def _records(wall_of, n_arms=2, quads=60, drift=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (q, pos, arm) in enumerate(paired.quad_schedule(n_arms, quads)):
+        base = 100.0 * (1 + drift * np.sin(i / 25.0))  # the machine's speed wanders, within a quad too
+        w = base * wall_of[arm] + rng.normal(0, 0.3)
+        out.append({"quad": q, "position": pos, "arm": arm, "wall_ms": w, "cpu_ms": 0.8 * w, "issue_ms": 0.6 * w,
+                    "cpu_issue_ms": 0.6 * w, "peak_bytes": 10e9 - (1e9 if arm == 1 else 0), "device_allocs": 0,
+                    "alloc_retries": 0})
+    return out
+
+
+def test_paired_overhead_finds_a_planted_one_percent_under_drift_and_the_null_contains_zero():
+    # 10% drift of the machine's speed (the "two speeds" seen on the H200): the pairing cancels it
+    records = _records({0: 1.0, 1: 1.01, 2: 1.0}, n_arms=3, drift=0.10)
+    treated, null = paired.compare(records, 1), paired.compare(records, 2)
+    lo, hi = treated["overhead_pct"]["ci95"]
+    assert lo < 1.0 < hi and hi - lo < 0.5
+    lo, hi = null["overhead_pct"]["ci95"]
+    assert lo < 0.0 < hi and hi - lo < 0.5
+    assert treated["memory_reduction_GB"] == pytest.approx(1.0) and null["memory_reduction_GB"] == 0
+    assert treated["overhead_pct"]["pairs"] == 120  # 60 quads, two pairs each
+
+
+def test_paired_differences_pair_each_iteration_with_the_base_beside_it():
+    records = [{"quad": 0, "position": p, "arm": a, "wall_ms": w}
+               for p, (a, w) in enumerate([(0, 10.0), (1, 12.0), (1, 13.0), (0, 11.0)])]
+    quads, diffs, base = paired.paired_differences(records, 1, "wall_ms")
+    assert quads.tolist() == [0] and diffs.tolist() == [[2.0, 2.0]] and base.tolist() == [[10.0, 11.0]]
+    assert paired.paired_differences(records, 2, "wall_ms")[1].size == 0  # arm 2 has no quads here

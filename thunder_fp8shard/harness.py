@@ -1,5 +1,5 @@
 """Runs a function on N real processes on this machine (gloo, or NCCL with one GPU a rank) and collects what each
-rank returns.
+rank returns; or on one simulated rank of N (torch's fake process group).
 
 Used by the demo, the tests and the notebooks; it is not part of the pass.
 """
@@ -27,10 +27,22 @@ def run_on_ranks(
     ``fn`` must be importable (module level) and return picklable data. An exception on any rank is re-raised here
     with that rank's traceback.
     """
+    return _run(fn, world_size, tuple(range(world_size)), args, timeout_s, backend)
+
+
+def run_simulated(fn: Callable[..., Any], world_size: int, *args, rank: int = 0, timeout_s: float = 600) -> Any:
+    """``fn(rank, world_size, *args)`` in a process of its own that joins torch's fake process group as rank ``rank``
+    of ``world_size`` (``init_process_group("fake", store=FakeStore(), ...)``): collectives return at once and move
+    nothing, so values are meaningless, but shapes, process groups (``new_group`` works), plans and memory are those
+    of that rank of a real run. How the benchmarks simulate rank 0 of N on one device."""
+    return _run(fn, world_size, (rank,), args, timeout_s, "fake")[0]
+
+
+def _run(fn, world_size: int, ranks: tuple[int, ...], args, timeout_s: float, backend: str) -> list[Any]:
     port = _free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args, backend)) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args, backend)) for r in ranks]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -39,16 +51,16 @@ def run_on_ranks(
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"no result from ranks {sorted(set(range(world_size)) - set(out))} in {timeout_s} s") from None
+                raise TimeoutError(f"no result from ranks {sorted(set(ranks) - set(out))} in {timeout_s} s") from None
             if not ok:  # the other ranks may be stuck in a collective waiting for this one: stop them all
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = pickle.loads(value)
     finally:
         for p in procs:
-            p.join(timeout=5 if len(out) == world_size else 0)
+            p.join(timeout=5 if len(out) == len(ranks) else 0)
             if p.is_alive():
                 p.kill()
-    return [out[r] for r in range(world_size)]
+    return [out[r] for r in ranks]
 
 
 def _rank_main(fn, rank, world_size, port, results, args, backend):
@@ -58,7 +70,12 @@ def _rank_main(fn, rank, world_size, port, results, args, backend):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if backend == "fake":
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))  # plain bytes: no shared-memory tensors to outlive us
     except BaseException:  # report every failure to the parent instead of hanging it

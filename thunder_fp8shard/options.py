@@ -51,6 +51,18 @@ class ShardOptions:
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
         all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
         reduce-scatters (profiled on the GPU, they did not: the backward's compute stream had no such waits).
+    shard_group_size: shard over subgroups of this many consecutive ranks instead of the setup's whole group: the
+        setup's ranks (those its replicated values are identical on, in order; under FSDP2 HSDP the whole mesh) are
+        partitioned into runs of ``shard_group_size`` and each rank keeps a 1/k shard over its own run, so it saves
+        (k-1)/k of each copy instead of (N-1)/N, and its backward all-gathers stay within k ranks (a node, when k is
+        the GPUs a node). Exactly as sound: identical on every rank of the group means identical on every rank of a
+        subgroup. None (the default): the setup's own group (FSDP's or DDP's whole group; FSDP2's shard group, under
+        HSDP the mesh's shard dimension). It must divide the setup's number of ranks: refused here when it cannot
+        divide the world size (when the process group is already initialized: every supported setup spans the world
+        or a mesh whose size divides it), else when compiling. A size equal to the setup's own group's is that
+        group (``comm`` applies as without the option); any other travels on subgroups the pass creates
+        collectively, once, at the first compilation (see :mod:`thunder_fp8shard.shard_groups`), which are its own
+        groups already: ``comm`` has no further effect there.
     group: a ``torch.distributed.ProcessGroup``, for a compilation whose setup names no process group (a ThunderFX
         subgraph without FSDP2 parameters: nothing is sharded there, and the plan says so). Where the setup names its
         group (Thunder FSDP/DDP, FSDP2's shard group), ``group=`` may be given but must span the same ranks (checked
@@ -70,6 +82,7 @@ class ShardOptions:
     optimizer_states: int | None = None
     loss_bytes: int | None = None
     group: object = None
+    shard_group_size: int | None = None
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
@@ -90,6 +103,8 @@ class ShardOptions:
                     f"ShardIntermediates: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
                     f"mesh.get_group()), got {type(self.group).__name__}"
                 )
+        if self.shard_group_size is not None:
+            _shard_group_size(self.shard_group_size)
         if not isinstance(self.verify, bool):
             raise TypeError(f"ShardIntermediates: verify must be a bool, got {self.verify!r}")
         if self.policy == "budget":
@@ -114,3 +129,14 @@ def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
 def _non_negative_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"ShardIntermediates: {name} must be a non-negative int, got {value!r}")
+
+
+def _shard_group_size(k: object) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"ShardIntermediates: shard_group_size must be a positive int (ranks a subgroup), got {k!r}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from thunder_fp8shard.shard_groups import check_size
+
+        check_size(k, dist.get_world_size(), "the world")

@@ -24,7 +24,7 @@ class Decision:
     replicated: bool
     sharded: bool
     reason: str
-    shard_nbytes: int = 0  # bytes kept per rank when sharded (ceil(nbytes / world_size))
+    shard_nbytes: int = 0  # bytes kept per rank when sharded (ceil(nbytes / shard group size))
 
     @property
     def bytes_saved(self) -> int:
@@ -83,7 +83,7 @@ class Bucket:
 class ShardPlan:
     """What the pass did to one compiled cache entry (forward trace + backward trace)."""
 
-    world_size: int
+    world_size: int  # ranks of the setup's group (under FSDP2 HSDP, of the whole mesh)
     method: str
     policy: str
     prefetch: int
@@ -103,6 +103,29 @@ class ShardPlan:
     integration: str = ""  # the distributed setup the pass recognized, e.g. "Thunder FSDP (ZeRO-3)"
     pass_seconds: float = 0.0  # wall time of both hooks of the pass (analysis, plan, rewrite) for this entry
     notes: list[str] = field(default_factory=list)
+    shard_group_size: int = 0  # k: the ranks each tensor is sharded over (0: world_size, for plans made by hand)
+    shard_ranks: tuple[int, ...] = ()  # this rank's shard group, global ranks in order
+    # the shard group: "own" (the setup's), "dedicated" (a second group over its ranks), "partition" (made by the
+    # pass over runs of k consecutive ranks: shard_group_size; see thunder_fp8shard.shard_groups)
+    shard_group_kind: str = "own"
+
+    @property
+    def k(self) -> int:
+        """The ranks each tensor is sharded over: the shard group's size."""
+        return self.shard_group_size or self.world_size
+
+    @property
+    def saving_fraction(self) -> float:
+        """(k-1)/k: the part of each sharded copy's bytes that a rank no longer keeps (before padding)."""
+        return (self.k - 1) / self.k
+
+    @property
+    def gathered_bytes_per_step(self) -> int:
+        """Bytes each rank receives in this program's backward all-gathers, one execution: (k-1) shards a bucket,
+        i.e. (k-1)/k of each gathered buffer, padding included (in a ring each rank also sends as many). Under
+        ThunderFX a step runs one program per subgraph: sum the plans of the step. ``method="reduce_scatter"``
+        moves as many again in the forward."""
+        return sum((self.k - 1) * b.shard_nbytes for b in self.buckets)
 
     @property
     def gather_steps(self) -> tuple[int, ...]:
@@ -128,22 +151,24 @@ class ShardPlan:
         header = ("tensor", "shape", "dtype", "kind", "bytes", "replicated", "sharded", "reason")
         rows = [
             (d.name, "x".join(map(str, d.shape)) or "()", d.dtype, d.kind, f"{d.nbytes:,}",
-             "yes" if d.replicated else "no", f"1/{self.world_size}" if d.sharded else "no", d.reason)
+             "yes" if d.replicated else "no", f"1/{self.k}" if d.sharded else "no", d.reason)
             for d in self.decisions
         ]
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
         fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         lines = [
             f"ShardIntermediates plan: {self.integration or 'no distributed setup'}, world size {self.world_size}, "
-            f"method {self.method}, policy {self.policy}, "
+            f"{self._shard_group_words()}, method {self.method}, policy {self.policy}, "
             f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
             + (f"in {len(self.buckets)} bucket(s) kept by {len({b.shard_op for b in self.buckets})} shard op(s), "
                f"each of at most {fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
-            + f", on {'a dedicated' if self.comm == 'dedicated' else 'its own'} process group; "
-            f"the pass took {self.pass_seconds:.2f} s",
+            + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
             fmt(header),
             *(fmt(r) for r in rows),
             f"saved for backward per rank: {fmt_bytes(self.saved_bytes_before)} -> {fmt_bytes(self.saved_bytes_after)}",
+            f"all-gathered per rank per step (received in backward, (k-1)/k of the gathered buffers): "
+            f"{fmt_bytes(self.gathered_bytes_per_step)}" + (" (and as much reduce-scattered in forward)"
+                                                            if self.method == "reduce_scatter" and self.buckets else ""),
         ]
         if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
             lines += self._terms_table()
@@ -155,6 +180,16 @@ class ShardPlan:
             lines += [f"  leaves out the {t.name}: {t.how}" for t in self.left_out]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _shard_group_words(self) -> str:
+        k, n = self.k, self.world_size
+        ranks = f" (this rank: {_fmt_ranks(self.shard_ranks)})" if self.shard_ranks else ""
+        which = "the whole group" if k == n else f"subgroups of k={k} ranks"
+        return f"shards over {which}{ranks}: each copy keeps 1/{k}, saving {k - 1}/{k} of it"
+
+    def _group_words(self) -> str:
+        return {"own": "the setup's process group", "dedicated": "a dedicated process group over the setup's ranks",
+                "partition": f"process groups the pass made over runs of {self.k} consecutive ranks"}[self.shard_group_kind]
 
     def _terms_table(self) -> list[str]:
         """The memory model's terms: the program's own peak, then each term outside it with its source."""
@@ -176,7 +211,7 @@ class ShardPlan:
             raise ValueError("this plan has no memory timeline (forward-only compile or nothing to model)")
         return plot_timelines(
             self.timeline_before, self.timeline_after, gathers=self.gather_steps,
-            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.world_size}", path=path,
+            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.k}", path=path,
         )
 
 
@@ -184,6 +219,12 @@ def _peak_where(before, after) -> str:
     if before is None or after is None:
         return ""
     return f" (before at {before.peak_step.phase} step {before.peak_step.index}, after at {after.peak_step.phase} step {after.peak_step.index})"
+
+
+def _fmt_ranks(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"
 
 
 def fmt_bytes(n: int) -> str:

@@ -30,6 +30,9 @@ from thunder_fp8shard.replication import Replication
 from thunder_fp8shard.resident import step_terms, term_lives
 
 
+ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a candidate sits on the joint timeline (step indices of the unmodified program)."""
@@ -84,7 +87,9 @@ def soundness(
     candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, world_size: int,
     model: MemoryModel, saved_names: set[str],
 ) -> list[Decision]:
-    """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason."""
+    """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason.
+    ``world_size``: the ranks each tensor is sharded over (the shard group's, see
+    :mod:`thunder_fp8shard.shard_groups`); ``replication`` is over the setup's whole group."""
     decisions = []
     for c in candidates:
         replicated = replication.is_replicated(c.name)
@@ -94,7 +99,7 @@ def soundness(
         elif not replicated:
             why = f"per-rank: {replication.reason(c.name)}"
         elif world_size < 2:
-            why = "world size is 1: there is nothing to shard over"
+            why = ONE_RANK
         elif c.payload_bytes < options.min_bytes:
             why = f"smaller than min_bytes={options.min_bytes}"
         elif c.name not in model.placements:

@@ -29,6 +29,8 @@ class RunConfig:
     sharding_strategy: str = "ZERO3"  # under "fsdp2": ZERO3 is reshard_after_forward=True, ZERO2 False
     compile_scope: str = "model"  # "fsdp2" only: "model" compiles the whole model (Thunder's benchmark_litgpt),
     # "layers" each layer (layer.compile(backend=...), torchtitan's way)
+    mesh_shape: tuple[int, ...] | None = None  # "fsdp2" only: (replicate, shard) for HSDP over a 2-D mesh (its
+    # product the world size); None: a 1-D mesh over every rank
     seed: int = 0
 
 
@@ -109,7 +111,10 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     model = FakeFP8MLP(cfg.widths)
     shard = ShardIntermediates(**cfg.options)
     backend = ThunderCompiler(transforms=[shard] if cfg.use_pass else [])
-    mesh = init_device_mesh("cpu", (world_size,))
+    if cfg.mesh_shape is None:
+        mesh = init_device_mesh("cpu", (world_size,))
+    else:
+        mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(cfg.mesh_shape):])
     reshard = {"ZERO3": True, "ZERO2": False}[cfg.sharding_strategy]
     for layer in model.layers:
         if cfg.compile_scope == "layers":

@@ -14,7 +14,6 @@ import logging
 import time
 import warnings
 
-import torch.distributed as dist
 from thunder.core.compile_data import get_compile_data
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
@@ -30,6 +29,7 @@ from thunder_fp8shard.planner import choose, memory_model, soundness
 from thunder_fp8shard.replication import analyze_replication
 from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, numel, tensor_nbytes
+from thunder_fp8shard.shard_groups import ShardGroup, ShardGroups
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class _PendingForward:
     seconds: float  # time the forward hook took
     device: DeviceMemory | None  # what the device's allocator said while this entry compiled (None on the CPU)
     setup: integrations.Integration  # the distributed setup recognized for this compilation
+    shards: ShardGroup  # where this rank's shards live and travel
 
 
 class ShardIntermediates(Transform):
@@ -53,7 +54,9 @@ class ShardIntermediates(Transform):
     Use as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
     ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``, or in ThunderFX's
     transforms over an FSDP2 model: ``torch.compile(model, backend=ThunderCompiler(transforms=[ShardIntermediates()]))``.
-    Options: see :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one
+    Each rank keeps a 1/k shard over its shard group (:mod:`thunder_fp8shard.shard_groups`): the setup's group, or with
+    ``shard_group_size=k`` its run of k consecutive ranks; which tensors are identical is decided over the setup's
+    whole group. Options: see :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one
     :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under ThunderFX, of each subgraph), newest last.
     """
 
@@ -65,7 +68,7 @@ class ShardIntermediates(Transform):
         self.options = ShardOptions(**options)
         self.plans: list[ShardPlan] = []
         self._pending: _PendingForward | None = None
-        self._dedicated: dict = {}  # the setup's process group -> the group the shards travel on (comm="dedicated")
+        self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
@@ -79,8 +82,10 @@ class ShardIntermediates(Transform):
         self._pending = None
         _check_last_post_optimization_transform(self)
         setup = integrations.detect(get_compile_data(), self.options)
+        # on every compilation, whatever it saves: creating groups is collective, every rank must do it alike
+        shards = self._groups.for_setup(setup.group, setup.ranks, setup.name)
         if not forward_saved(fw)[0]:
-            plan = self._empty_plan(setup)
+            plan = self._empty_plan(setup, shards)
             plan.notes.append("forward-only compile (no_grad or no input requires grad): nothing is saved for backward")
             self._record(plan)
             return fw
@@ -88,7 +93,7 @@ class ShardIntermediates(Transform):
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance("ShardIntermediates: forward as compiled, until its backward is planned"))
         device = measure(fw, transformer_engine=bool(te_quantized_names(fw)))
-        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup)
+        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup, shards)
         return stand_in
 
     def _backward(self, bw: TraceCtx) -> TraceCtx:
@@ -99,13 +104,12 @@ class ShardIntermediates(Transform):
         fw = pending.original
         if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
             raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
-        setup = pending.setup
-        world_size = setup.world_size
-        plan, requests = self._plan(fw, bw, setup, pending.device)
+        setup, shards = pending.setup, pending.shards
+        world_size, group = shards.size, shards.group  # the shards' layout and collectives: the shard group's
+        plan, requests = self._plan(fw, bw, setup, shards, pending.device)
         new_bw = bw
         if requests:
             o = self.options
-            group = self._shard_group(setup.group)
             n = sum(len(r.members) for op in requests for r in op.buckets)
             n_buckets = sum(len(op.buckets) for op in requests)
             new_fw = rewrite_forward(
@@ -123,15 +127,18 @@ class ShardIntermediates(Transform):
         self._record(plan)
         return new_bw
 
-    def _empty_plan(self, setup: integrations.Integration) -> ShardPlan:
+    def _empty_plan(self, setup: integrations.Integration, shards: ShardGroup) -> ShardPlan:
         o = self.options
         return ShardPlan(setup.world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes,
-                         comm=o.comm, integration=setup.name, notes=list(setup.notes))
+                         comm=o.comm, integration=setup.name, notes=list(setup.notes), shard_group_size=shards.size,
+                         shard_ranks=shards.ranks, shard_group_kind=shards.kind)
 
     def _plan(
-        self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration, device: DeviceMemory | None
+        self, fw: TraceCtx, bw: TraceCtx, setup: integrations.Integration, shards: ShardGroup,
+        device: DeviceMemory | None,
     ) -> tuple[ShardPlan, list[ShardOpRequest]]:
-        o, world_size = self.options, setup.world_size
+        # replicated over the setup's whole group; sharded (and laid out) over this rank's shard group
+        o, world_size = self.options, shards.size
         candidates = find_candidates(fw, o.candidates)
         te_names = te_quantized_names(fw)
         nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
@@ -146,7 +153,7 @@ class ShardIntermediates(Transform):
         saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
         saved_after = saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members) + sum(
             b.shard_nbytes for b in buckets)
-        empty = self._empty_plan(setup)
+        empty = self._empty_plan(setup, shards)
         plan = dataclasses.replace(
             empty, decisions=decisions, saved_bytes_before=saved_before,
             saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
@@ -164,17 +171,6 @@ class ShardIntermediates(Transform):
                 BucketRequest(tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes))
         op_nbytes = shard_op_nbytes(buckets)
         return plan, [ShardOpRequest(tuple(rs), op_nbytes[op]) for op, rs in by_op.items()]
-
-    def _shard_group(self, group):
-        """The process group the shards travel on: the setup's (FSDP's or DDP's), or (comm="dedicated") one more
-        group over its ranks, created once per group. Every rank compiles the same program in the same order, so
-        the collective ``new_group`` call is matched on every rank."""
-        if self.options.comm == "shared":
-            return group
-        if group not in self._dedicated:
-            ranks = dist.get_process_group_ranks(group)
-            self._dedicated[group] = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
-        return self._dedicated[group]
 
     def _record(self, plan: ShardPlan) -> None:
         self.plans.append(plan)

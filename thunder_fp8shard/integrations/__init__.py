@@ -6,7 +6,10 @@ analysis then starts from the integration's *replicated roots*: the all-gathers 
 trace inputs it names (:meth:`Integration.replicated_inputs`). A new setup is one more module here.
 
 The process group is the setup's own (FSDP's, DDP's, FSDP2's shard group). Where a setup names none, the pass takes
-the ``group=`` option; where it names one, ``group=`` (if given) must span the same ranks.
+the ``group=`` option; where it names one, ``group=`` (if given) must span the same ranks. A setup whose replicated
+values are identical on more ranks than its group's (FSDP2 HSDP: the whole mesh, its group the mesh's shard dimension)
+names them in :attr:`Integration.replica_ranks`; ``shard_group_size`` partitions those (see
+:mod:`thunder_fp8shard.shard_groups`).
 """
 
 from __future__ import annotations
@@ -25,15 +28,25 @@ class Integration:
     """A recognized distributed setup."""
 
     name: str  # shown in the plan, e.g. "Thunder FSDP (ZeRO-3)"
-    group: object  # the process group the replicated values are identical over, and the shards travel on
+    # the setup's process group: its all-gathers are replicated roots, the replicated values are identical over its
+    # ranks (and over ``replica_ranks`` where given), and the shards travel on it by default
+    group: object
     replicated_inputs: Callable[[TraceCtx], frozenset[str]] = lambda trace: frozenset()
     # why the other trace inputs are per-rank, where the setup knows better than "the rank's input"
     input_reasons: Callable[[TraceCtx], Mapping[str, str]] = lambda trace: {}
     notes: tuple[str, ...] = field(default=())  # what the plan should say about this setup
+    # the global ranks the replicated values are identical on, in order, where more than ``group``'s (FSDP2 HSDP: the
+    # whole mesh); None: ``group``'s
+    replica_ranks: tuple[int, ...] | None = None
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global ranks the replicated values are identical on: what ``shard_group_size`` partitions."""
+        return self.replica_ranks or tuple(dist.get_process_group_ranks(self.group))
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return len(self.ranks)
 
 
 def group_of(compile_data, flag: str):

@@ -24,6 +24,17 @@ an FSDP2 layer's graph (checked: it gets its own graph, refused). Not covered: l
 over two different meshes would share one graph whose shards travel on the first mesh's group; ``verify=True``
 detects that at run time.
 
+HSDP (``fully_shard(..., mesh=mesh)`` with a 2-D mesh, replicate x shard, as ``init_device_mesh(device, (nodes,
+gpus_a_node), mesh_dim_names=("replicate", "shard"))`` makes it): FSDP2 all-gathers each parameter over the mesh's
+shard dimension (``HSDPMeshInfo.shard_process_group``, the group the roots are proven on) and all-reduces the
+reduce-scattered gradients over the replicate dimension, so every replica updates the same parameters with the same
+gradients: the unsharded parameters are identical across the whole mesh, given identical initial weights on every
+replica, which ``fully_shard`` assumes (it does not broadcast). The setup's group is the shard group, so the shards
+default to the mesh's shard dimension (intra-node in that layout); ``shard_group_size=k`` partitions the whole mesh in
+mesh order (row-major: each shard group is a run of consecutive ranks). A run within one shard group (k dividing the
+shard dimension) is proven identical by the all-gather; a longer run relies on the replicas' identity (the plan says
+so; ``verify=True`` checks it at run time).
+
 Backward. The pass only replaces saved intermediates (e.g. the FP8 copies of those parameters) by shards and
 all-gathers them back inside the subgraph's backward; the gradients the subgraph returns for the unsharded parameters
 are bitwise those of the run without the pass, so FSDP2's post-backward reduce-scatter (its own hooks, outside the
@@ -49,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 NAME = "FSDP2 (fully_shard) under ThunderFX"
+HSDP_NAME = "FSDP2 HSDP (fully_shard over a 2-D mesh) under ThunderFX"
 USAGE = (
     "FSDP2 under ThunderFX: fully_shard(block) for each block and fully_shard(model), then "
     "torch.compile(model, backend=thunder.dynamo.ThunderCompiler(transforms=[ShardIntermediates()]))"
@@ -89,9 +101,19 @@ def _source_name(source) -> str:
         return str(source)
 
 
-def unsharded_parameters() -> dict[int, tuple[object, object]]:
-    """id(unsharded parameter) -> (its FSDPParam, FSDP2's shard process group), for every live FSDP2 parameter that
-    is currently unsharded (all-gathered)."""
+@dataclass(frozen=True)
+class _Owner:
+    """The FSDP2 parameter behind an unsharded tensor, and where FSDP2 keeps it identical."""
+
+    param: object  # its FSDPParam
+    group: object  # FSDP2's shard process group: the all-gather that made the tensor
+    mesh_shape: tuple[int, ...]  # (shard,) or, under HSDP, (replicate, shard)
+    mesh_ranks: tuple[int, ...]  # the mesh's global ranks, in mesh order (row-major: replicate outer, shard inner)
+
+
+def unsharded_parameters() -> dict[int, _Owner]:
+    """id(unsharded parameter) -> its owner, for every live FSDP2 parameter that is currently unsharded
+    (all-gathered)."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -105,7 +127,9 @@ def unsharded_parameters() -> dict[int, tuple[object, object]]:
         for p in group.fsdp_params:
             t = getattr(p, "_unsharded_param", None)
             if t is not None and p.sharded_state == ShardedState.UNSHARDED:
-                found[id(t)] = (p, group.mesh_info.shard_process_group)
+                info = group.mesh_info
+                found[id(t)] = _Owner(p, info.shard_process_group, tuple(info.mesh.mesh.shape),
+                                      tuple(info.mesh.mesh.flatten().tolist()))
     return found
 
 
@@ -118,8 +142,8 @@ def detect(cd, options):
     if not dist.is_initialized():
         raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
     owners = unsharded_parameters()
-    groups = {name: owners[id(i.tensor)][1] for name, i in inputs.items() if i.tensor is not None and id(i.tensor) in owners}
-    if not groups:
+    found = {name: owners[id(i.tensor)] for name, i in inputs.items() if i.tensor is not None and id(i.tensor) in owners}
+    if not found:
         if options.group is None:
             raise RuntimeError(
                 "ShardIntermediates: this torch.compile subgraph has no FSDP2 (fully_shard) parameter among its inputs "
@@ -129,14 +153,32 @@ def detect(cd, options):
         note = ("no FSDP2 parameter enters this subgraph: nothing in it is provably identical on every rank, so nothing "
                 "is sharded (the group is the group= option)")
         return Integration(f"{NAME}, subgraph without FSDP2 parameters", options.group,
-                           input_reasons=lambda trace: _reasons(trace, inputs, {}, None), notes=(note,))
-    group = next(iter(groups.values()))  # group= must span its ranks (checked by integrations.detect)
-    roots = {name for name, g in groups.items() if g is group}
+                           input_reasons=lambda trace: _reasons(trace, inputs, {}, set()), notes=(note,))
+    first = next(iter(found.values()))  # group= must span its shard group's ranks (checked by integrations.detect)
+    roots = {name for name, o in found.items() if o.group is first.group and o.mesh_ranks == first.mesh_ranks}
+    hsdp = len(first.mesh_shape) == 2
     return Integration(
-        NAME, group,
+        HSDP_NAME if hsdp else NAME, first.group,
         replicated_inputs=lambda trace: frozenset(n for n in _matching(trace, inputs) if n in roots),
-        input_reasons=lambda trace: _reasons(trace, inputs, groups, group),
+        input_reasons=lambda trace: _reasons(trace, inputs, found, roots),
+        notes=(_hsdp_note(first.mesh_shape, options),) if hsdp else (),
+        replica_ranks=first.mesh_ranks if hsdp else None,
     )
+
+
+def _hsdp_note(shape: tuple[int, ...], options) -> str:
+    replicate, shard = shape
+    k = options.shard_group_size or shard
+    note = (f"FSDP2 HSDP over a {replicate} x {shard} mesh (replicate x shard): the unsharded parameters are "
+            f"all-gathered over the mesh's shard dimension (each shard group: {shard} consecutive ranks of the mesh); ")
+    if k == shard:
+        return note + f"the shards travel on it ({k} ranks, the default)"
+    if shard % k == 0:
+        return note + f"the shards travel on subgroups of {k} ranks within each shard group"
+    return note + (f"the shards travel on runs of {k} ranks across shard groups: that the replicas hold the same "
+                   "parameters is FSDP2's HSDP contract (identical initial weights on every replica, which fully_shard "
+                   "assumes and does not check, then the same all-reduced gradients), not proven here; verify=True "
+                   "checks it")
 
 
 def _matching(trace, inputs: dict[str, _Input]) -> list[str]:
@@ -152,7 +194,7 @@ def _matching(trace, inputs: dict[str, _Input]) -> list[str]:
     return out
 
 
-def _reasons(trace, inputs: dict[str, _Input], groups: dict, group) -> dict[str, str]:
+def _reasons(trace, inputs: dict[str, _Input], owned: dict, roots: set[str]) -> dict[str, str]:
     """Why each trace input that is not a root is per-rank."""
     matching = set(_matching(trace, inputs))
     reasons = {}
@@ -160,13 +202,13 @@ def _reasons(trace, inputs: dict[str, _Input], groups: dict, group) -> dict[str,
         i = inputs.get(p.name)
         if i is None:
             reasons[p.name] = f"the input `{p.name}`, not an input of the Dynamo graph"
-        elif p.name not in groups:
+        elif p.name not in owned:
             reasons[p.name] = f"the input `{p.name}` ({i.source}), not an unsharded FSDP2 parameter"
         elif p.name not in matching:
             reasons[p.name] = (f"the input `{p.name}` ({i.source}), whose shape or dtype differs from the FSDP2 "
                                "parameter Dynamo recorded for it")
-        elif groups[p.name] is not group:
-            reasons[p.name] = f"the FSDP2 parameter `{p.name}`, all-gathered over another process group"
+        elif p.name not in roots:
+            reasons[p.name] = f"the FSDP2 parameter `{p.name}`, all-gathered over another process group or mesh"
     return reasons
 
 
