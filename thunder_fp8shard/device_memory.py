@@ -7,6 +7,10 @@ records what each one added: cuBLAS keeps one per handle and stream, and the aut
 its own thread (its own handle), so a tiny linear layer is run forward and backward; TransformerEngine keeps one
 GEMM workspace (asked for when the program has TE ops). A workspace that already existed adds 0 bytes and is in
 ``allocated_bytes`` instead. On the CPU (no CUDA tensor among the program's inputs) nothing is measured.
+
+Each rank measures its own device, so the figures differ between ranks; the plan is made with the largest over the
+ranks (:mod:`thunder_fp8shard.agreement`). The transform calls :func:`measure` through its module's name, which
+is where a test plants figures for a CPU run.
 """
 
 from __future__ import annotations
