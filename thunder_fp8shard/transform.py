@@ -5,7 +5,8 @@ entry. What to shard is decided on the joint program, so the forward hook return
 backward hook plans, rewrites both traces, and fills the stand-in in place (Thunder builds the forward callable
 from it only after both hooks ran). Hence ShardIntermediates must be the last transform with a post-optimization
 hook; this is checked. Before planning, the inputs that can differ between ranks are agreed across the setup's
-process group (see :mod:`thunder_fp8shard.agreement`).
+process group, and the plan's collectives are compared across it before the rewrite (see
+:mod:`thunder_fp8shard.agreement`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
 from thunder_fp8shard import integrations
-from thunder_fp8shard.agreement import agree
+from thunder_fp8shard.agreement import agree, check
 from thunder_fp8shard.candidates import find_candidates, te_quantized_names
 from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.grouping import shard_op_nbytes
@@ -104,6 +105,7 @@ class ShardIntermediates(Transform):
         setup = pending.setup
         world_size = setup.world_size
         plan, requests = self._plan(fw, bw, setup, pending.device)
+        check(plan, setup.group, verify=self.options.verify)  # before any collective of the plan (or new_group)
         new_bw = bw
         if requests:
             o = self.options
