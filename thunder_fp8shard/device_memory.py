@@ -11,6 +11,10 @@ A workspace that already existed adds 0 bytes and is in ``allocated_bytes`` inst
 forced (an API this module does not know) is listed in ``not_forced`` with the reason, and a warning is issued: the
 plan then says that the predicted peak leaves it out. On the CPU (no CUDA tensor among the program's inputs) nothing
 is measured.
+
+Each rank measures its own device, so the figures differ between ranks; the plan is made with the largest over the
+ranks (:mod:`thunder_fp8shard.agreement`). The transform calls :func:`measure` through its module's name, which
+is where a test plants figures for a CPU run.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ class ShardOptions:
         ``optimizer_states``).
     budget_bytes: per-rank peak target for ``policy="budget"``, in device bytes: what
         ``torch.cuda.max_memory_allocated`` will read, i.e. the program plus the memory the step runs in (the
-        terms of :mod:`thunder_fp8shard.resident`), not the program's bytes alone.
+        terms of :mod:`thunder_fp8shard.resident`), not the program's bytes alone. Where ranks give different
+        budgets, every rank plans for the smallest (see :mod:`thunder_fp8shard.agreement`).
     prefetch: how many buckets ahead of its use each backward all-gather is issued. 0 issues it just before its
         first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
     bucket_bytes: the most payload bytes one backward all-gather (a bucket) or one forward shard op handles.
@@ -47,6 +48,11 @@ class ShardOptions:
         ``policy="budget"`` needs it given.
     loss_bytes: device bytes the loss computed outside the program holds at the start of the backward. None (the
         default): 2 x the forward's floating-point outputs (a cross-entropy on them).
+
+    ``resident_bytes``, ``optimizer_states`` and ``loss_bytes`` may differ between ranks, as may what each rank
+    measures: every rank plans with each memory term's largest value over the ranks (agreed while compiling, see
+    :mod:`thunder_fp8shard.agreement`), so all plan the same collectives. The other options must be the same on every
+    rank; where they give different collectives, compilation raises on every rank, naming what differs.
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
         all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient

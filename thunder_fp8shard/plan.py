@@ -36,6 +36,7 @@ MODELLED = "modelled"  # by a rule from the traces and the options
 GIVEN = "given"  # an option the user set
 NOT_COUNTED = "not counted"  # known to exist but 0 here (nothing to measure on this device, or no rule)
 UNKNOWN = "unknown"  # present in the step but of unknown size: left out of the predicted peak, the headline says so
+AGREED = "agreed"  # another rank's value, larger than this rank's own (see thunder_fp8shard.agreement)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class MemoryTerm:
     laid on the joint timeline as ``spans``: ``(first step, last step, bytes)``, inclusive. Per rank."""
 
     name: str  # e.g. "optimizer state"
-    source: str  # MEASURED, MODELLED, GIVEN, NOT_COUNTED or UNKNOWN
+    source: str  # MEASURED, MODELLED, GIVEN, NOT_COUNTED, UNKNOWN, or AGREED where another rank's value replaced this rank's
     how: str  # one line: what was measured, or the rule
     spans: tuple[tuple[int, int, int], ...] = ()
 
@@ -59,6 +60,18 @@ class MemoryTerm:
             return "-"
         first, last = min(s for s, _, _ in self.spans), max(e for _, e, _ in self.spans)
         return "every step" if (first, last) == (0, n_steps - 1) else f"steps {first}-{last}"
+
+
+@dataclass(frozen=True)
+class AgreedValue:
+    """A plan input that can differ between ranks, as every rank planned with it (see
+    :mod:`thunder_fp8shard.agreement`): a memory term's bytes (the largest over the ranks) or ``budget_bytes`` (the
+    smallest)."""
+
+    name: str  # a MemoryTerm's name, or "budget_bytes"
+    value: int  # what every rank planned with
+    own: int  # this rank's own value
+    rule: str  # "largest" or "smallest"
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class ShardPlan:
     comm: str = ""  # the process group the shards travel on: "shared" (the setup's own) or "dedicated"
     integration: str = ""  # the distributed setup the pass recognized, e.g. "Thunder FSDP (ZeRO-3)"
     pass_seconds: float = 0.0  # wall time of both hooks of the pass (analysis, plan, rewrite) for this entry
+    agreed: list[AgreedValue] = field(default_factory=list)  # the per-rank inputs agreed across the ranks
     notes: list[str] = field(default_factory=list)
     shard_group_size: int = 0  # k: the ranks each tensor is sharded over (0: world_size, for plans made by hand)
     shard_ranks: tuple[int, ...] = ()  # this rank's shard group, global ranks in order
@@ -172,6 +186,7 @@ class ShardPlan:
         ]
         if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
             lines += self._terms_table()
+            lines += self._agreed_table()
             lines.append(
                 f"predicted peak per rank:     {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}"
                 + _peak_where(self.timeline_before, self.timeline_after)
@@ -202,6 +217,16 @@ class ShardPlan:
         header = ("memory model (device bytes per rank)", "bytes", "steps", "source", "how")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
         return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
+
+    def _agreed_table(self) -> list[str]:
+        """The inputs agreed across the ranks before planning: the value planned with against this rank's own."""
+        if not self.agreed:
+            return []
+        rows = [(a.name, a.rule, f"{a.value:,}", f"{a.own:,}", "" if a.value == a.own else "another rank's")
+                for a in self.agreed]
+        header = (f"agreed over {self.world_size} ranks before planning", "rule", "planned with", "this rank's own", "")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+        return [("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in [header, *rows]]
 
     def plot(self, path=None):
         """The predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure)."""

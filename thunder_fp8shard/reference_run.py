@@ -22,6 +22,7 @@ class RunConfig:
     batch_sizes: tuple[int, ...] = (3, 5, 3)  # one optimizer step each: cache miss, new shape, cache hit
     use_pass: bool = True
     options: dict = field(default_factory=dict)  # ShardIntermediates options
+    rank_options: tuple[dict, ...] = ()  # rank r's options on top of ``options`` (rank-dependent values)
     no_grad_call: bool = True  # a forward-only call between the first and second step
     api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...);
     # "ddp": thunder.distributed.ddp(...); "fsdp2": fully_shard(each layer), fully_shard(model), then torch.compile
@@ -32,6 +33,10 @@ class RunConfig:
     mesh_shape: tuple[int, ...] | None = None  # "fsdp2" only: (replicate, shard) for HSDP over a 2-D mesh (its
     # product the world size); None: a 1-D mesh over every rank
     seed: int = 0
+
+    def options_of(self, rank: int) -> dict:
+        """The ShardIntermediates options of rank ``rank``."""
+        return {**self.options, **(self.rank_options[rank] if rank < len(self.rank_options) else {})}
 
 
 @dataclass
@@ -57,7 +62,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         return train_fsdp2(rank, world_size, cfg)
     torch.manual_seed(cfg.seed)
     model = FakeFP8MLP(cfg.widths)
-    shard = ShardIntermediates(**cfg.options)
+    shard = ShardIntermediates(**cfg.options_of(rank))
     extra = [shard] if cfg.use_pass else []
     strategy = FSDPType[cfg.sharding_strategy]
     if cfg.api == "transform":
@@ -109,7 +114,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(cfg.seed)
     model = FakeFP8MLP(cfg.widths)
-    shard = ShardIntermediates(**cfg.options)
+    shard = ShardIntermediates(**cfg.options_of(rank))
     backend = ThunderCompiler(transforms=[shard] if cfg.use_pass else [])
     if cfg.mesh_shape is None:
         mesh = init_device_mesh("cpu", (world_size,))

@@ -29,6 +29,9 @@ compilation. The terms, in order:
 - **kernel workspaces** (modelled): transient scratch of known kernels at their own step: the sdpa backward
   (flash, memory-efficient, cuDNN) keeps an fp32 accumulator the size of its output gradient.
 
+The terms are this rank's own. The pass agrees them across the ranks before planning (each term's largest value,
+:mod:`thunder_fp8shard.agreement`): measured and given terms can differ between ranks, the plan may not.
+
 Gradients are the program's: the backward returns them (from their reduce-scatter to its end), and after it they
 live in ``.grad`` until ``zero_grad``, outside the program; if they are kept between steps, the resident
 measurement of a later compilation sees them, or ``resident_bytes`` says so.

@@ -4,7 +4,9 @@ Thunder calls the post-optimization hook on the forward trace, then on the backw
 entry. What to shard is decided on the joint program, so the forward hook returns a stand-in trace and the
 backward hook plans, rewrites both traces, and fills the stand-in in place (Thunder builds the forward callable
 from it only after both hooks ran). Hence ShardIntermediates must be the last transform with a post-optimization
-hook; this is checked.
+hook; this is checked. Before planning, the inputs that can differ between ranks are agreed across the setup's
+process group, and the plan's collectives are compared across it before the rewrite (see
+:mod:`thunder_fp8shard.agreement`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
 from thunder_fp8shard import integrations
+from thunder_fp8shard.agreement import agree, check
 from thunder_fp8shard.candidates import find_candidates, te_quantized_names
 from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.grouping import shard_op_nbytes
@@ -107,6 +110,7 @@ class ShardIntermediates(Transform):
         setup, shards = pending.setup, pending.shards
         world_size, group = shards.size, shards.group  # the shards' layout and collectives: the shard group's
         plan, requests = self._plan(fw, bw, setup, shards, pending.device)
+        check(plan, group, verify=self.options.verify)  # before any collective of the plan
         new_bw = bw
         if requests:
             o = self.options
@@ -143,6 +147,10 @@ class ShardIntermediates(Transform):
         te_names = te_quantized_names(fw)
         nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
         model = memory_model(fw, bw, candidates, nbytes_of, options=o, device=device)
+        # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
+        agreed = agree(model.terms, o.budget_bytes, shards.group)
+        model = dataclasses.replace(model, terms=agreed.terms)
+        o = dataclasses.replace(o, budget_bytes=agreed.budget_bytes)
         saved_names = {p.name for p in forward_saved(fw)[0]}
         replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
         sound = soundness(candidates, replication, model_io_names(fw), o, world_size, model, saved_names)
@@ -159,7 +167,7 @@ class ShardIntermediates(Transform):
             saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
             program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
             terms=list(model.terms), timeline_before=before, timeline_after=after, buckets=buckets,
-            notes=[*empty.notes, *notes],
+            agreed=list(agreed.values), notes=[*empty.notes, *notes],
         )
         for note in notes:
             if "cannot be met" in note:
