@@ -2,7 +2,7 @@
 
 A GPU run of ``thunder_litgpt.py --dump-model DIR`` saves, for the training cache entry, the memory model the
 planner used (storages, steps, placements of the candidates, the terms besides the program) and the sharded
-decisions, as ``model_rank0.json.gz``. Here they load back into a :class:`~thunder_fp8shard.planner.MemoryModel`,
+decisions, as ``model_rank0.json.gz``. Here they load back into a :class:`~thunder_fp8shard.memory_model.MemoryModel`,
 so that the grouping (``bucket_bytes``, ``prefetch``, ``grouping.HEADROOM``) can be tried on the real model on
 any machine:
 
@@ -38,8 +38,8 @@ def dump(model, decisions, world_size: int, path: str) -> None:
 def load(path: str):
     """(MemoryModel, sharded decisions, world size) from a :func:`dump` file."""
     from thunder_fp8shard.liveness import Life, Step
+    from thunder_fp8shard.memory_model import MemoryModel, Placement
     from thunder_fp8shard.plan import Decision, MemoryTerm
-    from thunder_fp8shard.planner import MemoryModel, Placement
 
     with gzip.open(path, "rt") as f:
         d = json.load(f)

@@ -184,8 +184,9 @@ def test_downsample_keeps_the_maximum_of_every_bin():
 def test_a_dumped_memory_model_loads_back_and_replays_the_grouping(tmp_path):
     import model_dump
 
+    from thunder_fp8shard.memory_model import MemoryModel, Placement
     from thunder_fp8shard.plan import GIVEN, Decision
-    from thunder_fp8shard.planner import MemoryModel, Placement, schedule
+    from thunder_fp8shard.planner import schedule
 
     steps = tuple(Step(i, "forward" if i < 5 else "backward", f"op{i}") for i in range(10))
     lives = {"X": Life("X", ("X",), 1000, 0, 9), "W1": Life("W1", ("W1", "v1"), 512, 1, 9),

@@ -6,9 +6,10 @@ import pytest
 
 from thunder_fp8shard.grouping import place, shard_op_nbytes
 from thunder_fp8shard.liveness import Life, Step
+from thunder_fp8shard.memory_model import MemoryModel, Placement
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, UNKNOWN, Decision, MemoryTerm, ShardPlan
-from thunder_fp8shard.planner import MemoryModel, Placement, choose, schedule
+from thunder_fp8shard.planner import choose, schedule
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
 # W1 (40 B) is last used in forward at 1 and first in backward at 8: it is live at the peak.

@@ -12,9 +12,9 @@ from thunder.executors.sdpaex import sdpea_bwd
 from test_liveness import HAND_LIVE, _hand_traces
 from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.liveness import storage_lives
+from thunder_fp8shard.memory_model import memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, ShardPlan
-from thunder_fp8shard.planner import memory_model
 from thunder_fp8shard.resident import resident_at_call, step_terms, term_lives
 
 LAST = 11

@@ -18,19 +18,16 @@ at its start, the buckets stay small; further on, where activations have been fr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
 from thunder_fp8shard.liveness import life_spans, span_bytes, with_sharding
+from thunder_fp8shard.memory_model import MemoryModel
 from thunder_fp8shard.plan import Bucket, Decision
 from thunder_fp8shard.resident import term_lives
 
 HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
-
-if TYPE_CHECKING:  # pragma: no cover
-    from thunder_fp8shard.planner import MemoryModel
 
 
 def place(

@@ -26,9 +26,10 @@ from thunder_fp8shard.candidates import find_candidates, te_quantized_names
 from thunder_fp8shard.device_memory import DeviceMemory, measure
 from thunder_fp8shard.grouping import shard_op_nbytes
 from thunder_fp8shard.liveness import storage_of
+from thunder_fp8shard.memory_model import memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planner import choose, memory_model, soundness
+from thunder_fp8shard.planner import choose, soundness
 from thunder_fp8shard.replication import analyze_replication
 from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, numel, tensor_nbytes

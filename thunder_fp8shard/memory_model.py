@@ -1,0 +1,99 @@
+"""The memory model: the unmodified joint program's storages and steps, where every candidate sits on them, and the
+memory the step runs in besides the program. Plain data, built once per compilation by :func:`memory_model`.
+
+The planner (:mod:`thunder_fp8shard.planner`) and the grouping (:mod:`thunder_fp8shard.grouping`) weigh their
+choices by evaluating it: :meth:`MemoryModel.evaluate` predicts the device timeline when given buckets are sharded,
+from the program's storages (:mod:`thunder_fp8shard.liveness`) plus the terms of :mod:`thunder_fp8shard.resident`,
+so that peaks and budgets are device bytes. Nothing here rewrites a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.candidates import Candidate
+from thunder_fp8shard.liveness import (
+    Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives, storage_of, timeline,
+    uses, with_sharding,
+)
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import Bucket, MemoryTerm
+from thunder_fp8shard.resident import step_terms, term_lives
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a candidate sits on the joint timeline (step indices of the unmodified program)."""
+
+    life: str  # name of its storage's Life
+    shard_at: int  # its last forward use: the shard replaces it right after
+    first_use: int  # its first backward consumer: the wait goes right before
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The unmodified joint program's storages, steps and the placement of every candidate, and the memory the
+    step runs in besides the program (``terms``)."""
+
+    lives: dict[str, Life]
+    steps: tuple[Step, ...]
+    placements: dict[str, Placement]  # by candidate name; missing when a candidate is never used in backward
+    compute: tuple[bool, ...]  # per step: False for bookkeeping (del, clears, unpacks, return)
+    terms: tuple[MemoryTerm, ...] = ()
+
+    def compute_steps_between(self, first: int, last: int) -> int:
+        """Compute steps strictly between two steps."""
+        if last <= first + 1:
+            return 0
+        return int(self._compute_before[last] - self._compute_before[first + 1])
+
+    @functools.cached_property
+    def _compute_before(self) -> np.ndarray:
+        """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
+        return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
+
+    def evaluate(self, buckets: list[Bucket], *, terms: bool = True) -> Timeline:
+        """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planner.schedule`) are
+        sharded (``terms=False``: the program's own tensors only)."""
+        lives = with_sharding(self.lives, self.steps, [self.sharded_group(b) for b in buckets])
+        return timeline({**lives, **term_lives(list(self.terms))} if terms else lives, self.steps)
+
+    def sharded_group(self, b: Bucket) -> ShardedGroup:
+        """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.liveness.with_sharding`."""
+        lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
+        return ShardedGroup(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
+                            b.first_use, b.shard_until)
+
+    @property
+    def backward_body_start(self) -> int:
+        """First compute step of the backward: the rewrite issues the earliest gathers right before it."""
+        first_backward = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps) - 1)
+        return next((i for i in range(first_backward, len(self.steps)) if self.compute[i]), len(self.steps) - 1)
+
+
+def memory_model(
+    fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of, *, options: ShardOptions | None = None,
+    device=None,
+) -> MemoryModel:
+    """Builds the joint program's storages and steps, places every candidate on them, and adds the memory the step
+    runs in (:func:`thunder_fp8shard.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
+    compiling, None on the CPU). Without ``options`` the model is the program's alone."""
+    graph = joint_graph(fw, bw)
+    lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
+    steps = program_steps(fw, bw)
+    life_of = storage_of(lives)
+    backward_start = graph.graph["backward_start"]
+    compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
+    placements = {}
+    for c in candidates:
+        life = life_of[c.name]
+        forward_uses = [u for u in uses(graph, life.members) if u < backward_start]
+        backward_uses = [u for u in uses(graph, [c.name]) if u >= backward_start and compute[u]]
+        if backward_uses:
+            placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
+    terms = tuple(step_terms(fw, bw, lives, options, device)) if options is not None else ()
+    return MemoryModel(lives, steps, placements, compute, terms)
