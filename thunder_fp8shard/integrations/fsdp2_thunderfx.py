@@ -59,6 +59,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from thunder_fp8shard.integrations.base import Integration
+
 NAME = "FSDP2 (fully_shard) under ThunderFX"
 HSDP_NAME = "FSDP2 HSDP (fully_shard over a 2-D mesh) under ThunderFX"
 USAGE = (
@@ -134,8 +136,6 @@ def unsharded_parameters() -> dict[int, _Owner]:
 
 
 def detect(cd, options):
-    from thunder_fp8shard.integrations import Integration
-
     inputs = dynamo_inputs(getattr(cd, "fn", None))
     if inputs is None:
         return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.pytree import tree_flatten
 
+from thunder_fp8shard.integrations.base import Integration, group_of
+
 
 def replicated_parameters(trace) -> frozenset[str]:
     flat, _ = tree_flatten((trace.args, trace.kwargs))
@@ -19,8 +21,6 @@ def replicated_parameters(trace) -> frozenset[str]:
 
 
 def detect(cd, options):
-    from thunder_fp8shard.integrations import Integration, group_of
-
     group = group_of(cd, "use_ddp")
     if group is None:
         return None

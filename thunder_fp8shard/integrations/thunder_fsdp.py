@@ -8,11 +8,11 @@ ZeRO-2 asks, unless ``candidates="all"`` shards them too.
 
 from __future__ import annotations
 
+from thunder_fp8shard.integrations.base import Integration, group_of
+
 
 def detect(cd, options):
     from thunder.distributed import FSDPType
-
-    from thunder_fp8shard.integrations import Integration, group_of
 
     group = group_of(cd, "use_fsdp")
     if group is None:
