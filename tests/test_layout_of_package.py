@@ -1,0 +1,61 @@
+"""The package's layout: its modules import one another without a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).parents[1] / "thunder_fp8shard"  # this checkout's, whichever copy is installed
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name of every module of the package (a package by its ``__init__.py``) -> its file."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    """An edge from each module to every module of the package it imports: anywhere in the file (at the top, under
+    ``TYPE_CHECKING``, inside a function), ``from a import b`` to ``a.b`` where that is a module, else to ``a``. A
+    module's parent packages, which Python runs first, are not edges: every module would depend on the package's
+    ``__init__``."""
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name:
+                    graph.add_edge(name, target, line=f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    return graph
+
+
+def test_the_graph_sees_every_kind_of_import():
+    graph = import_graph()
+    assert graph.has_edge("thunder_fp8shard.grouping", "thunder_fp8shard.memory_model")  # at the top
+    assert graph.has_edge("thunder_fp8shard.plan", "thunder_fp8shard.liveness")  # under TYPE_CHECKING
+    assert graph.has_edge("thunder_fp8shard.plan", "thunder_fp8shard.plot")  # inside a function
+    assert graph.has_edge("thunder_fp8shard.planner", "thunder_fp8shard.grouping")  # from the package import module
+    assert graph.has_edge("thunder_fp8shard", "thunder_fp8shard.transform")  # from the __init__
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = list(nx.simple_cycles(graph))
+    described = [" -> ".join(f"{a} ({graph.edges[a, b]['line']})" for a, b in zip(c, [*c[1:], c[0]])) for c in cycles]
+    assert not cycles, "import cycles in the package:\n" + "\n".join(described)
