@@ -38,7 +38,7 @@ if ROOT not in sys.path:
 
 @dataclass
 class RunConfig:
-    model: str = "litgpt"  # "toy": thunder_fp8shard.toy_models.FakeFP8Llama (fake FP8, no litgpt: CPU runs)
+    model: str = "litgpt"  # "toy": thunder_fp8shard.testing.toy_models.FakeFP8Llama (fake FP8, no litgpt: CPU runs)
     model_name: str = "Llama-2-7b-hf"
     n_layer: int = 2
     n_embd: int | None = None  # overrides of the named config (to shrink a model for tests)
@@ -128,7 +128,7 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
         device = torch.device("cpu")
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     if cfg.model == "toy":
-        from thunder_fp8shard.toy_models import FakeFP8Llama
+        from thunder_fp8shard.testing.toy_models import FakeFP8Llama
 
         sizes = {k: v for k, v in dict(n_embd=cfg.n_embd, n_head=cfg.n_head, intermediate_size=cfg.intermediate_size,
                                        vocab_size=cfg.vocab_size).items() if v is not None}
@@ -163,7 +163,7 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
 
 def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     """One rank's run; the process group is already initialized. Returns picklable results."""
-    from thunder_fp8shard.measure import saved_bytes
+    from thunder_fp8shard.testing.measure import saved_bytes
 
     s = setup_rank(rank, cfg)
     jm, opt, sh, device, n_params = s.jm, s.opt, s.shard, s.device, s.n_params
@@ -266,7 +266,7 @@ def _summary(ranks: list[dict], cfg: RunConfig, backend: str) -> dict:
 def run(cfg: RunConfig, world_size: int, backend: str) -> dict:
     """Runs one configuration on all ranks; returns the summary (on every rank under torchrun)."""
     if backend == "gloo":
-        from thunder_fp8shard.harness import run_on_ranks
+        from thunder_fp8shard.testing.harness import run_on_ranks
 
         ranks = run_on_ranks(run_rank, world_size, cfg)
     else:

@@ -39,7 +39,7 @@ def _compile(n_layer: int, options: dict | None):
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.toy_models import FakeFP8Llama
+    from thunder_fp8shard.testing.toy_models import FakeFP8Llama
 
     torch.manual_seed(0)
     transforms = [FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType.ZERO3)]

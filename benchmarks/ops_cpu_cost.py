@@ -122,7 +122,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out")
     a = p.parse_args()
-    from thunder_fp8shard.harness import run_on_ranks
+    from thunder_fp8shard.testing.harness import run_on_ranks
 
     cfg = dict(backend=a.backend, te=a.te, shape=[int(s) for s in a.shape.split(",")], tensors=a.tensors,
                bucket=a.bucket, per_op=a.per_op, prefetch=a.prefetch, steps=a.steps)

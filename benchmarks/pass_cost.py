@@ -1,6 +1,6 @@
 """Cost of the ShardIntermediates pass against the whole first call of a Thunder-compiled model (CPU, gloo).
 
-A litgpt-style Llama with fake-FP8 linears (``thunder_fp8shard.toy_models.FakeFP8Llama``, small widths) under
+A litgpt-style Llama with fake-FP8 linears (``thunder_fp8shard.testing.toy_models.FakeFP8Llama``, small widths) under
 FSDPTransform ZeRO-3 on 2 gloo ranks. On rank 0 we time the pass's two post-optimization hooks (forward and
 backward) and the whole first call (trace, autodiff, both hooks, compile, run) plus its backward.
 Usage: python benchmarks/pass_cost.py [--layers 8 16 32] [--out benchmarks/results/pass_cost.json]
@@ -25,7 +25,7 @@ def measure(rank: int, world_size: int, n_layer: int) -> dict:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.toy_models import FakeFP8Llama
+    from thunder_fp8shard.testing.toy_models import FakeFP8Llama
 
     class Timed(ShardIntermediates):
         seconds = 0.0
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--out", default="benchmarks/results/pass_cost.json")
     args = parser.parse_args()
-    from thunder_fp8shard.harness import run_on_ranks
+    from thunder_fp8shard.testing.harness import run_on_ranks
 
     rows = [run_on_ranks(measure, 2, n)[0] for n in args.layers]
     for a, b in zip(rows, rows[1:]):

@@ -366,7 +366,7 @@ def main(argv=None) -> dict:
         sdpa=a.sdpa, te=a.te, device=a.device, extra=extra,
     )
     if a.backend == "gloo":
-        from thunder_fp8shard.harness import run_on_ranks
+        from thunder_fp8shard.testing.harness import run_on_ranks
 
         ranks = run_on_ranks(accuracy_rank, a.world_size, cfg, a.steps, a.snapshot_dir)
     else:

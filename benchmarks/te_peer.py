@@ -184,7 +184,7 @@ def main(argv=None):
         print(json.dumps(linear_shapes(a)[0]))
         return
     if a.backend == "gloo":
-        from thunder_fp8shard.harness import run_on_ranks
+        from thunder_fp8shard.testing.harness import run_on_ranks
 
         ranks = run_on_ranks(run_rank, a.world_size, vars(a))
     else:

@@ -28,7 +28,7 @@ def fsdp_traces(single_rank_group):
     from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
-    from thunder_fp8shard.toy_models import FakeFP8MLP
+    from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
     torch.manual_seed(0)
     jm = thunder.jit(FakeFP8MLP(), transforms=[FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType.ZERO3)])

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from thunder_fp8shard.agreement import ABSENT, collectives, digest, encode, mismatch_message, settle
-from thunder_fp8shard.harness import run_on_ranks
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, MODELLED, NOT_COUNTED, Bucket, Decision, MemoryTerm, ShardPlan
-from thunder_fp8shard.reference_run import RunConfig, mismatches, train, train_with_and_without
+from thunder_fp8shard.testing.harness import run_on_ranks
+from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train, train_with_and_without
 
 WIDTHS = (25, 61, 47, 7)  # the weight copies hold 1,525, 2,867 and 329 bytes (min_bytes=0 shards them)
 MB200 = 200 << 20

@@ -5,7 +5,7 @@ import torch
 
 from thunder_fp8shard import ShardIntermediates
 from thunder_fp8shard.planner import ONE_RANK
-from thunder_fp8shard.toy_models import FakeFP8MLP
+from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The package's layout: its modules import one another without a circle."""
+"""The package's layout: its modules import one another without a circle, and the pass does not import its test
+support (``thunder_fp8shard.testing``)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,11 @@ def test_no_import_cycles():
     cycles = list(nx.simple_cycles(graph))
     described = [" -> ".join(f"{a} ({graph.edges[a, b]['line']})" for a, b in zip(c, [*c[1:], c[0]])) for c in cycles]
     assert not cycles, "import cycles in the package:\n" + "\n".join(described)
+
+
+def test_the_pass_does_not_import_its_test_support():
+    graph = import_graph()
+    support = {m for m in graph if m == "thunder_fp8shard.testing" or m.startswith("thunder_fp8shard.testing.")}
+    users = {"thunder_fp8shard.demo", *support}
+    reaching = {m for s in support for m in nx.ancestors(graph, s)} - users
+    assert support and not reaching, f"modules of the pass that import thunder_fp8shard.testing: {sorted(reaching)}"

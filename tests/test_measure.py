@@ -1,6 +1,6 @@
 import torch
 
-from thunder_fp8shard.measure import saved_bytes
+from thunder_fp8shard.testing.measure import saved_bytes
 
 
 def test_distinct_storages_at_one_address_count_apart_and_views_once():

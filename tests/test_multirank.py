@@ -5,8 +5,8 @@ with a new input shape between them."""
 import pytest
 import torch
 
-from thunder_fp8shard.harness import run_on_ranks
-from thunder_fp8shard.reference_run import RunConfig, mismatches, train_with_and_without
+from thunder_fp8shard.testing.harness import run_on_ranks
+from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
 # every weight numel (61*25, 47*61, 7*47) is odd and not a multiple of 3: shards are padded for N = 2, 3 and 4
 WIDTHS = (25, 61, 47, 7)

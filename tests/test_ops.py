@@ -120,6 +120,6 @@ def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[
 
 @pytest.mark.parametrize("method", ["slice", "reduce_scatter"])
 def test_a_shard_op_of_two_buckets_round_trips_on_three_ranks(method):
-    from thunder_fp8shard.harness import run_on_ranks
+    from thunder_fp8shard.testing.harness import run_on_ranks
 
     assert run_on_ranks(_shard_and_gather_on_ranks, 3, method) == [[True, True, True]] * 3

@@ -3,8 +3,8 @@ gradients must visibly change (which shows the exactness checks can fail)."""
 
 import pytest
 
-from thunder_fp8shard.harness import run_on_ranks
-from thunder_fp8shard.reference_run import RunConfig, mismatches, train, train_with_and_without
+from thunder_fp8shard.testing.harness import run_on_ranks
+from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train, train_with_and_without
 
 
 def _with_broken_analysis(job):

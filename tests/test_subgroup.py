@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from thunder_fp8shard import ShardIntermediates
-from thunder_fp8shard.harness import run_on_ranks, run_simulated
 from thunder_fp8shard.layout import bucket_layout
-from thunder_fp8shard.reference_run import RunConfig, mismatches, train_with_and_without
 from thunder_fp8shard.shard_groups import partition
+from thunder_fp8shard.testing.harness import run_on_ranks, run_simulated
+from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
 # every weight numel (61*25, 47*61, 7*47) is odd: the shards are padded for every k > 1
 WIDTHS = (25, 61, 47, 7)
@@ -37,8 +37,8 @@ def _plans_under_fake_pg(rank, world_size, configs):
     from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
-    from thunder_fp8shard.measure import saved_bytes
-    from thunder_fp8shard.toy_models import FakeFP8MLP
+    from thunder_fp8shard.testing.measure import saved_bytes
+    from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
     out = {}
     for k, fsdp_ranks in configs:

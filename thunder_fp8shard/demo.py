@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from thunder_fp8shard.harness import run_on_ranks
-from thunder_fp8shard.reference_run import RunConfig, mismatches, train_with_and_without
+from thunder_fp8shard.testing.harness import run_on_ranks
+from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,9 @@
 """A small data-parallel training run (Thunder FSDP ZeRO-3 or ZeRO-2, Thunder DDP, or PyTorch FSDP2 under ThunderFX) of a
 fake-FP8 model on one rank, with or without the pass.
 
-``run_on_ranks(train, world_size, RunConfig(...))`` (see :mod:`thunder_fp8shard.harness`) gives each rank's
-``RunResult``; comparing a run with the pass against one without is the exactness check used by the demo and the
-tests. Every rank draws different inputs.
+``run_on_ranks(train, world_size, RunConfig(...))`` (see :mod:`thunder_fp8shard.testing.harness`) gives each
+rank's ``RunResult``; comparing a run with the pass against one without is the exactness check used by the demo and
+the tests. Every rank draws different inputs.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thunder_fp8shard.measure import saved_bytes
 from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.testing.measure import saved_bytes
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.toy_models import FakeFP8MLP
+    from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
     if cfg.api == "fsdp2":
         return train_fsdp2(rank, world_size, cfg)
@@ -106,7 +106,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     from thunder.dynamo import ThunderCompiler
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.toy_models import FakeFP8MLP
+    from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
     torch._dynamo.reset()  # the other run of this process compiled the same code objects
     # every layer, grad mode and dynamic shape is its own Dynamo graph of the one FakeFP8Linear.forward (Thunder's
