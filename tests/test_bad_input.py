@@ -1,9 +1,14 @@
 """Bad input: each case has a defined behaviour and a clear message."""
 
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
-from thunder_fp8shard import ShardIntermediates
+from thunder_fp8shard import ShardIntermediates, ShardOptions
 from thunder_fp8shard.planner import ONE_RANK
 from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
@@ -31,6 +36,44 @@ from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 def test_invalid_options_fail_at_construction(options, error, message):
     with pytest.raises(error, match=message):
         ShardIntermediates(**options)
+
+
+def test_the_signature_is_shard_options_fields_keyword_only_with_their_defaults():
+    fields = dataclasses.fields(ShardOptions)
+    params = list(inspect.signature(ShardIntermediates).parameters.values())
+    assert [(p.name, p.kind, p.default, p.annotation) for p in params] == [
+        (f.name, inspect.Parameter.KEYWORD_ONLY, f.default, f.type) for f in fields
+    ]
+    assert str(inspect.signature(ShardIntermediates)).startswith("(*, candidates: 'str' = 'fp8', min_bytes: 'int' = 1")
+    doc = ShardIntermediates.__doc__
+    assert all(f"- ``{f.name}``: " in doc for f in fields) and "README" in doc  # each option, briefly
+
+
+def test_the_readme_shows_the_signature_and_every_option():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("`ShardIntermediates(*,"))
+    args = ast.parse(f"def f{line.strip('`').removeprefix('ShardIntermediates')}: pass").body[0].args
+    shown = [(a.arg, eval(compile(ast.Expression(d), "README", "eval"))) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+    assert shown == [(f.name, f.default) for f in dataclasses.fields(ShardOptions)]
+    assert all(f"| `{f.name}` |" in readme for f in dataclasses.fields(ShardOptions))
+
+
+def test_every_option_reaches_shard_options(single_rank_group):
+    given = dict(candidates="all", min_bytes=7, method="reduce_scatter", verify=True, policy="budget", budget_bytes=10,
+                 prefetch=3, bucket_bytes=5, comm="dedicated", resident_bytes=11, optimizer_states=2, loss_bytes=13,
+                 group=single_rank_group, shard_group_size=1)
+    assert sorted(given) == sorted(f.name for f in dataclasses.fields(ShardOptions))
+    assert all(v != f.default for f in dataclasses.fields(ShardOptions) for v in [given[f.name]])
+    assert ShardIntermediates(**given).options == ShardOptions(**given)
+    assert ShardIntermediates().options == ShardOptions()
+
+
+def test_unknown_options_and_positional_arguments_raise_type_errors():
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['bucket', 'candidate'\]; the options are \['candidates', "
+                                        r"'min_bytes', .*'shard_group_size'\]"):
+        ShardIntermediates(candidate="fp8", bucket=1, prefetch=0)
+    with pytest.raises(TypeError, match="positional argument"):
+        ShardIntermediates("fp8")
 
 
 def test_budget_plans_once_optimizer_states_is_given():

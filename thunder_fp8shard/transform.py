@@ -12,9 +12,12 @@ process group, and the plan's collectives are compared across it before the rewr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 from thunder.core.compile_data import get_compile_data
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
@@ -36,6 +39,7 @@ from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names
 from thunder_fp8shard.shard_groups import ShardGroup, ShardGroups
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., None])
 
 
 @dataclasses.dataclass
@@ -50,6 +54,21 @@ class _PendingForward:
     shards: ShardGroup  # where this rank's shards live and travel
 
 
+def _unknown_options_named(init: F) -> F:
+    """``init`` raising a TypeError that names every unknown option and lists the options (Python's own names one
+    unknown keyword). ``inspect.signature`` and ``help()`` show ``init``'s own signature (through ``__wrapped__``)."""
+    known = [f.name for f in dataclasses.fields(ShardOptions)]
+
+    @functools.wraps(init)
+    def checked(self, *args, **options):
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"ShardIntermediates: unknown option(s) {unknown}; the options are {known}")
+        return init(self, *args, **options)
+
+    return checked  # type: ignore[return-value]
+
+
 class ShardIntermediates(Transform):
     """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, PyTorch FSDP2 under
     ThunderFX, see :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward
@@ -60,16 +79,58 @@ class ShardIntermediates(Transform):
     transforms over an FSDP2 model: ``torch.compile(model, backend=ThunderCompiler(transforms=[ShardIntermediates()]))``.
     Each rank keeps a 1/k shard over its shard group (:mod:`thunder_fp8shard.shard_groups`): the setup's group, or with
     ``shard_group_size=k`` its run of k consecutive ranks; which tensors are identical is decided over the setup's
-    whole group. Options: see :class:`thunder_fp8shard.options.ShardOptions`. ``plans`` holds one
-    :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under ThunderFX, of each subgraph), newest last.
+    whole group. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under
+    ThunderFX, of each subgraph), newest last.
+
+    Options, keyword-only, validated at construction by :class:`~thunder_fp8shard.options.ShardOptions` (its
+    docstring and the README's "Options" table say more):
+
+    - ``candidates``: ``"fp8"`` (float8 and TransformerEngine's quantized saved tensors) or ``"all"`` saved tensors.
+    - ``min_bytes``: smaller candidates are left alone.
+    - ``method``: ``"slice"`` (keep this rank's slice, no communication) or ``"reduce_scatter"`` (MAX over the ranks).
+    - ``verify``: at shard time, check with digests that every rank holds the same bytes.
+    - ``policy``: ``"all"`` sound candidates; ``"peak"``: those that lower the predicted peak; ``"budget"``: the
+      least all-gather traffic that brings it to ``budget_bytes``.
+    - ``budget_bytes``: the per-rank device peak for ``policy="budget"`` (``max_memory_allocated``'s figure).
+    - ``prefetch``: how many buckets ahead of its first use each backward all-gather is issued.
+    - ``bucket_bytes``: the most payload bytes one all-gather (a bucket) or one forward shard op handles (0: one
+      tensor each).
+    - ``comm``: ``"shared"``: the shards travel on the setup's process group; ``"dedicated"``: on a second group over
+      its ranks.
+    - ``resident_bytes``: device bytes alive during the step besides the program (None: measured while compiling).
+    - ``optimizer_states``: the optimizer's state tensors per trained parameter (AdamW: 2; None: unknown, left out of
+      the predicted peak; ``policy="budget"`` needs it).
+    - ``loss_bytes``: bytes the loss holds at the start of the backward (None: 2 x the forward's outputs).
+    - ``group``: a process group, for compilations whose setup names none.
+    - ``shard_group_size``: shard over subgroups of this many consecutive ranks (None: the setup's group).
     """
 
-    def __init__(self, **options):
-        known = [f.name for f in dataclasses.fields(ShardOptions)]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"ShardIntermediates: unknown option(s) {unknown}; the options are {known}")
-        self.options = ShardOptions(**options)
+    @_unknown_options_named
+    def __init__(
+        self,
+        *,
+        candidates: str = "fp8",
+        min_bytes: int = 1024,
+        method: str = "slice",
+        verify: bool = False,
+        policy: str = "all",
+        budget_bytes: int | None = None,
+        prefetch: int = 1,
+        bucket_bytes: int = 256 << 20,
+        comm: str = "shared",
+        resident_bytes: int | None = None,
+        optimizer_states: int | None = None,
+        loss_bytes: int | None = None,
+        group: object = None,
+        shard_group_size: int | None = None,
+    ):
+        # the parameters are ShardOptions' fields, with its defaults (tests/test_bad_input.py checks it)
+        self.options = ShardOptions(
+            candidates=candidates, min_bytes=min_bytes, method=method, verify=verify, policy=policy,
+            budget_bytes=budget_bytes, prefetch=prefetch, bucket_bytes=bucket_bytes, comm=comm,
+            resident_bytes=resident_bytes, optimizer_states=optimizer_states, loss_bytes=loss_bytes, group=group,
+            shard_group_size=shard_group_size,
+        )
         self.plans: list[ShardPlan] = []
         self._pending: _PendingForward | None = None
         self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
