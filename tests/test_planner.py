@@ -99,6 +99,20 @@ def test_plan_renders_a_table_with_every_candidate_and_its_reason():
         plan.decision("nope")
 
 
+@pytest.mark.parametrize("kind, size, words", [
+    ("own", 0, "on the setup's process group;"),
+    ("dedicated", 0, "on a dedicated process group over the setup's ranks;"),
+    ("partition", 2, "on process groups the pass made over runs of 2 consecutive ranks;"),
+])
+def test_the_plan_names_the_group_the_shards_travel_on(kind, size, words):
+    """The shard group's kind is set by :class:`~thunder_fp8shard.shard_groups.ShardGroups`: the setup's own group
+    (comm="shared"), a second group over its ranks (comm="dedicated"), or the pass's subgroups (shard_group_size)."""
+    plan = ShardPlan(4, "slice", "all", 1, [], 0, 0, comm="dedicated" if kind == "dedicated" else "shared",
+                     shard_group_size=size, shard_group_kind=kind)
+    headline = str(plan).splitlines()[0]
+    assert words in headline and "its own process group" not in headline
+
+
 def test_a_bucket_that_would_raise_the_backward_peak_is_not_formed():
     # merged, W2 and W1 would be gathered together at step 6, so 296 B (aligned) live at the spike at step 7
     buckets = schedule(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, world_size=2)
