@@ -1,9 +1,10 @@
-"""The package's layout: its modules import one another without a circle, and the pass does not import its test
-support (``thunder_fp8shard.testing``)."""
+"""The package's layout: its modules import one another without a circle, the pass does not import its test support
+(``thunder_fp8shard.testing``), and the README's "How it works" names every file of the package and only those."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -68,3 +69,14 @@ def test_the_pass_does_not_import_its_test_support():
     users = {"thunder_fp8shard.demo", *support}
     reaching = {m for s in support for m in nx.ancestors(graph, s)} - users
     assert support and not reaching, f"modules of the pass that import thunder_fp8shard.testing: {sorted(reaching)}"
+
+
+def test_the_readme_names_every_file_of_the_package_and_only_those():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("## How it works\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(\w+\.py)`", section))  # bare file names (not tests/...)
+    files = {p.name for p in PACKAGE.rglob("*.py")}
+    subpackages = {f"{p.parent.name}/" for p in PACKAGE.glob("*/__init__.py")}
+    assert files - named == set(), "files the README's layout does not name"
+    assert named - files == set(), "files the README's layout names that do not exist"
+    assert all(f"| `{d}` |" in section for d in subpackages)
