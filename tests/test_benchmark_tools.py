@@ -202,3 +202,21 @@ def test_a_dumped_memory_model_loads_back_and_replays_the_grouping(tmp_path):
     replayed = model_dump.replay(path, 1024, 0)
     # at step 5: X, A and the loss term, and the bucket's two 256 B shards instead of both 512 B copies
     assert replayed["bucket_members"] == [2] and replayed["peak_after"] == 1000 + 3000 + 7 + 512
+
+
+def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
+    """cpu_step_ab.py compares two versions of the pass in one process: the other one's package, operators and
+    executor come under other names."""
+    import subprocess
+
+    import cpu_step_ab
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    from thunder_fp8shard import ShardIntermediates, ops
+
+    other = cpu_step_ab.import_revision("HEAD", str(tmp_path))
+    assert other.__name__ == "thunder_fp8shard_ab" and other.ShardIntermediates is not ShardIntermediates
+    assert other.ops.executor.name != ops.executor.name and other.ops.shard.name != ops.shard.name
+    assert other.ops.payload.__name__ == "thunder_fp8shard_ab.payload"
