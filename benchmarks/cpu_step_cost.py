@@ -31,8 +31,9 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _compile(n_layer: int, options: dict | None):
-    """A fresh model compiled under Thunder FSDP ZeRO-3, with the pass when ``options`` is given; its input, plan."""
+def _compile(n_layer: int, options: dict | None, transform: type | None = None):
+    """A fresh model compiled under Thunder FSDP ZeRO-3, with the pass when ``options`` is given (``transform``: its
+    class, default this checkout's ``ShardIntermediates``); its input, plan."""
     import thunder
     import torch
     from thunder.distributed import FSDPType
@@ -43,7 +44,7 @@ def _compile(n_layer: int, options: dict | None):
 
     torch.manual_seed(0)
     transforms = [FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType.ZERO3)]
-    shard = ShardIntermediates(**options) if options is not None else None
+    shard = (transform or ShardIntermediates)(**options) if options is not None else None
     jm = thunder.jit(FakeFP8Llama(n_layer), transforms=[*transforms, *([shard] if shard else [])])
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     start = time.perf_counter()

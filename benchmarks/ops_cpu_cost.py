@@ -6,8 +6,13 @@ backward of all-gathers issued ``prefetch`` buckets ahead and waited for in reve
 ``perf_counter`` on the CPU (no synchronization inside a phase), over ``--steps`` steps; the medians per call go
 to stdout and ``--out``, with the CPU milliseconds a step of ``--tensors`` tensors spends in them.
 
+Each shard op's :class:`~thunder_fp8shard.ops.ShardSpec` is made once and kept across the steps, as the rewrite
+bakes it into the trace (the op works out its layouts on its first call, an untimed warm-up step here).
+``--backend fake`` runs one process in torch's fake process group (``--nproc`` ranks in name; collectives return at
+once): the operators' CPU work alone, without communication, on any machine.
+
     python benchmarks/ops_cpu_cost.py --nproc 2 --backend nccl --te --per-op 5 --out benchmarks/results/ops.json
-    python benchmarks/ops_cpu_cost.py --nproc 2 --backend gloo --shape 64,64     # CPU, Python overhead only
+    python benchmarks/ops_cpu_cost.py --nproc 8 --backend fake --shape 172,64 --bucket 5   # CPU only, no communication
 """
 
 from __future__ import annotations
@@ -49,12 +54,19 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
     from thunder_fp8shard import ops, payload
     from thunder_fp8shard.layout import bucket_layout, packed_offsets
 
+    if cfg["backend"] == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
     device = torch.device("cuda", rank) if cfg["backend"] == "nccl" else torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     group = dist.group.WORLD
+    barrier = (lambda: None) if cfg["backend"] == "fake" else dist.barrier
     make = _tensors(cfg["tensors"], tuple(cfg["shape"]), cfg["te"], device)
     k, per_op = cfg["bucket"], cfg["per_op"]
     times: dict[str, list[float]] = {"shard": [], "gather_start": [], "gather_wait": []}
+    specs: dict[int, ops.ShardSpec] = {}  # a shard op's, by its first bucket
     for step in range(cfg["steps"]):
         objs = make()
         buckets = [objs[i : i + k] for i in range(0, len(objs), k)]
@@ -63,18 +75,19 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
         shard_ops = [range(i, min(i + per_op, len(buckets))) for i in range(0, len(buckets), per_op)]
         del objs
         sync()
-        dist.barrier()
+        barrier()
         t0 = time.perf_counter()
         saved = []  # (shard, offset, nbytes, restorer) a bucket
         for js in shard_ops:
-            offsets, total = packed_offsets([sizes[j] for j in js])
-            shard, *restorers = ops._shard_impl(tuple(tuple(buckets[j]) for j in js), group, world_size, total,
-                                                "slice", False, tuple(tuple("x" for _ in buckets[j]) for j in js))
+            offsets, _ = packed_offsets([sizes[j] for j in js])
+            spec = specs.setdefault(js[0], ops.ShardSpec(group, world_size, tuple(sizes[j] for j in js), "slice",
+                                                         False, tuple(tuple("x" for _ in buckets[j]) for j in js)))
+            shard, *restorers = ops._shard_impl(tuple(tuple(buckets[j]) for j in js), spec)
             saved += [(shard, off, sizes[j], r) for j, off, r in zip(js, offsets, restorers)]
         t1 = time.perf_counter()
         del buckets, shard, restorers
         sync()
-        dist.barrier()
+        barrier()
         pf = cfg["prefetch"]
         order = list(reversed(saved))
         del saved
@@ -82,13 +95,13 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
         t_start = t_wait = 0.0
         for i in range(min(pf + 1, len(order))):
             a = time.perf_counter()
-            handles[i] = ops._gather_start_impl(*order[i][:3], group)
+            handles[i] = ops._gather_start_impl(*order[i][:3], world_size, group)
             t_start += time.perf_counter() - a
         for i in range(len(order)):
             j = i + pf + 1
             if j < len(order):
                 a = time.perf_counter()
-                handles[j] = ops._gather_start_impl(*order[j][:3], group)
+                handles[j] = ops._gather_start_impl(*order[j][:3], world_size, group)
                 t_start += time.perf_counter() - a
             a = time.perf_counter()
             out = ops._gather_wait_impl(handles.pop(i), order[i][3])
@@ -112,7 +125,7 @@ def _payload_nbytes(obj, payload) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--backend", choices=("gloo", "nccl", "fake"), default="gloo")
     p.add_argument("--te", action="store_true", help="TransformerEngine Float8Tensors (columnwise, as TE saves)")
     p.add_argument("--shape", default="4096,11008")
     p.add_argument("--tensors", type=int, default=160)
@@ -126,7 +139,13 @@ def main() -> None:
 
     cfg = dict(backend=a.backend, te=a.te, shape=[int(s) for s in a.shape.split(",")], tensors=a.tensors,
                bucket=a.bucket, per_op=a.per_op, prefetch=a.prefetch, steps=a.steps)
-    res = run_on_ranks(_rank, a.nproc, cfg, backend=a.backend)
+    if a.backend == "fake":  # one process, rank 0 of --nproc
+        import torch
+
+        torch.set_num_threads(1)
+        res = [_rank(0, a.nproc, cfg)]
+    else:
+        res = run_on_ranks(_rank, a.nproc, cfg, backend=a.backend)
     us = {k: statistics.median(r[k] for r in res) for k in res[0]}
     n_buckets = -(-a.tensors // a.bucket)
     report = {"config": cfg, "world_size": a.nproc, "us_per_call_by_rank": res, "us_per_call": us,

@@ -252,3 +252,21 @@ def test_paired_differences_pair_each_iteration_with_the_base_beside_it():
     quads, diffs, base = paired.paired_differences(records, 1, "wall_ms")
     assert quads.tolist() == [0] and diffs.tolist() == [[2.0, 2.0]] and base.tolist() == [[10.0, 11.0]]
     assert paired.paired_differences(records, 2, "wall_ms")[1].size == 0  # arm 2 has no quads here
+
+
+def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
+    """cpu_step_ab.py compares two versions of the pass in one process: the other one's package, operators and
+    executor come under other names."""
+    import subprocess
+
+    import cpu_step_ab
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    from thunder_fp8shard import ShardIntermediates, ops
+
+    other = cpu_step_ab.import_revision("HEAD", str(tmp_path))
+    assert other.__name__ == "thunder_fp8shard_ab" and other.ShardIntermediates is not ShardIntermediates
+    assert other.ops.executor.name != ops.executor.name and other.ops.shard.name != ops.shard.name
+    assert other.ops.payload.__name__ == "thunder_fp8shard_ab.payload"

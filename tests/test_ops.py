@@ -36,8 +36,7 @@ class HolderPayload:
 def holder_kind():
     payload.register_payload_kind(HolderPayload())
     yield
-    payload._KINDS[:] = [k for k in payload._KINDS if k.name != HolderPayload.name]
-    payload._BY_NAME.pop(HolderPayload.name)
+    payload.unregister_payload_kind(HolderPayload.name)
 
 
 def _shard(group, buckets):
@@ -46,13 +45,14 @@ def _shard(group, buckets):
              for objs in buckets]
     offsets, total = packed_offsets(sizes)
     names = tuple(tuple(f"t{i}" for i in range(len(objs))) for objs in buckets)
-    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), group, 1, total, "slice", False, names)
+    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), ops.ShardSpec(group, 1, sizes, "slice", False, names))
+    assert shard.numel() == total
     return shard, restorers, offsets, sizes
 
 
 def _round_trip(group, objs):
     shard, (restorer,), _, _ = _shard(group, [objs])
-    handle = ops._gather_start_impl(shard, 0, shard.numel(), group)
+    handle = ops._gather_start_impl(shard, 0, shard.numel(), 1, group)
     return restorer, ops._gather_wait_impl(handle, restorer)
 
 
@@ -77,9 +77,9 @@ def test_the_restorer_keeps_nothing_alive_after_the_wait(single_rank_group):
     del holder, restored
     gc.collect()
     assert alive() is None, "the restorer still references the restored object"
-    assert restorer.members == ()
+    assert restorer.taken
     with pytest.raises(RuntimeError, match="restored twice"):
-        ops._gather_wait_impl(ops._gather_start_impl(torch.zeros(64, dtype=torch.uint8), 0, 64, single_rank_group),
+        ops._gather_wait_impl(ops._gather_start_impl(torch.zeros(64, dtype=torch.uint8), 0, 64, 1, single_rank_group),
                               restorer)
 
 
@@ -89,14 +89,32 @@ def test_one_shard_op_keeps_several_buckets_and_each_comes_back_from_its_offset(
     shard, restorers, offsets, sizes = _shard(single_rank_group, [[a, b], [c]])
     # a at 0, b at 256 (aligned) in the first bucket; the second bucket's shard packed right after: at 270
     assert shard.numel() == 270 + 32 and offsets == (0, 270) and sizes == [270, 32]
-    (ra, rb) = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, 270, single_rank_group), restorers[0])
-    (rc,) = ops._gather_wait_impl(ops._gather_start_impl(shard, 270, 32, single_rank_group), restorers[1])
+    (ra, rb) = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, 270, 1, single_rank_group), restorers[0])
+    (rc,) = ops._gather_wait_impl(ops._gather_start_impl(shard, 270, 32, 1, single_rank_group), restorers[1])
     assert all(torch.equal(x, y) for x, y in zip((ra, rb, rc), expected))
+
+
+def test_a_shard_op_works_its_layout_out_again_when_its_buffers_change_shape(single_rank_group):
+    """The op keeps what it worked out on its first call (in its spec) only while the buffers keep their kinds,
+    shapes and dtypes: other shapes of the same bytes come back with their own shape."""
+    spec = ops.ShardSpec(single_rank_group, 1, (60,), "slice", False, (("t0",),))
+    for shape in ((3, 5), (3, 5), (5, 3), (15,)):
+        t = torch.randn(shape)
+        shard, restorer = ops._shard_impl(((t,),), spec)
+        (back,) = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, 60, 1, single_rank_group), restorer)
+        assert back.shape == shape and torch.equal(back, t)
+
+
+def test_a_non_contiguous_member_comes_back_contiguous_with_its_values(single_rank_group):
+    t = torch.randn(5, 7).t()  # (7, 5), strides (1, 7)
+    shard, (restorer,), _, _ = _shard(single_rank_group, [[t, torch.arange(3.0)]])
+    back, _ = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, shard.numel(), 1, single_rank_group), restorer)
+    assert back.is_contiguous() and torch.equal(back, t)
 
 
 def test_a_shard_op_refuses_payloads_of_another_size_than_planned(single_rank_group):
     with pytest.raises(RuntimeError, match="the plan said 8 B"):
-        ops._shard_impl(((torch.zeros(4),),), single_rank_group, 1, 8, "slice", False, (("t0",),))
+        ops._shard_impl(((torch.zeros(4),),), ops.ShardSpec(single_rank_group, 1, (8,), "slice", False, (("t0",),)))
 
 
 def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[bool]:
@@ -110,11 +128,11 @@ def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[
     sizes = [bucket_layout([payload.nbytes(t) for t in b], world_size).shard_nbytes for b in buckets]
     offsets, total = packed_offsets(sizes)
     group = dist.group.WORLD
-    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), group, world_size, total, method, False,
-                                        (("a", "b"), ("c",)))
+    spec = ops.ShardSpec(group, world_size, sizes, method, False, (("a", "b"), ("c",)))
+    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), spec)
     assert shard.numel() == total
     back = [t for off, n, r in zip(offsets, sizes, restorers)
-            for t in ops._gather_wait_impl(ops._gather_start_impl(shard, off, n, group), r)]
+            for t in ops._gather_wait_impl(ops._gather_start_impl(shard, off, n, world_size, group), r)]
     return [torch.equal(x, y) for x, y in zip(back, originals)]
 
 

@@ -5,7 +5,7 @@ member rebuilt as a view of the gathered buffer is as aligned as a fresh allocat
 GEMMs that read it), and the whole is padded to a multiple of the world size. Rank ``r`` keeps bytes
 ``[r * shard_nbytes, (r + 1) * shard_nbytes)``; one ``all_gather_into_tensor`` of the shards returns the layout
 itself, so every member comes back as a view, without a copy. Pure arithmetic: the planner uses it to count bytes
-and the run-time operators to cut and rebuild.
+and the run-time operators to cut and rebuild (once a shard op, on its first call).
 """
 
 from __future__ import annotations
@@ -42,23 +42,18 @@ class BucketLayout:
     def pieces(self, rank: int) -> tuple[tuple[int, int, int, int], ...]:
         """The parts of segments that rank ``rank`` keeps: ``(segment, start, stop, offset in the shard)``, where
         ``start:stop`` are byte positions inside the segment."""
-        return _pieces(self, rank)
-
-
-@functools.lru_cache(maxsize=4096)
-def _pieces(layout: BucketLayout, rank: int) -> tuple[tuple[int, int, int, int], ...]:
-    lo, hi = rank * layout.shard_nbytes, (rank + 1) * layout.shard_nbytes
-    out = []
-    for k, (off, size) in enumerate(zip(layout.offsets, layout.sizes)):
-        a, b = max(lo, off), min(hi, off + size)
-        if a < b:
-            out.append((k, a - off, b - off, a - lo))
-    return tuple(out)
+        lo, hi = rank * self.shard_nbytes, (rank + 1) * self.shard_nbytes
+        out = []
+        for k, (off, size) in enumerate(zip(self.offsets, self.sizes)):
+            a, b = max(lo, off), min(hi, off + size)
+            if a < b:
+                out.append((k, a - off, b - off, a - lo))
+        return tuple(out)
 
 
 def bucket_layout(sizes: list[int] | tuple[int, ...], world_size: int) -> BucketLayout:
-    """Lays out segments of ``sizes`` bytes, each at the next multiple of ``ALIGN`` (cached: the run-time operators
-    ask for the same layouts every step)."""
+    """Lays out segments of ``sizes`` bytes, each at the next multiple of ``ALIGN`` (cached: the grouping lays the
+    same buckets out again while it tries groupings)."""
     return _bucket_layout(tuple(int(s) for s in sizes), world_size)
 
 

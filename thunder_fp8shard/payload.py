@@ -8,7 +8,8 @@ buffers, so they are freed as soon as the forward trace drops the object.
 Plain tensors of any dtype (float8 included) are one kind: the tensor itself is its buffer, and it comes back as a
 view. TransformerEngine's quantized tensors are another (:mod:`thunder_fp8shard.payload_te`): the object itself is
 kept, without its data buffers, and gets views back; nothing is constructed in backward. Register further kinds with
-:func:`register_payload_kind`; the pass itself does not change.
+:func:`register_payload_kind`; the pass itself does not change. Which kind handles an object is decided by its type
+(:func:`kind_of`, cached): the run-time operators ask once a saved object a step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 class PayloadKind(Protocol):
     name: str
 
-    def matches(self, obj: Any) -> bool: ...
+    def matches(self, obj: Any) -> bool:
+        """Whether this kind handles ``obj``; decided by the object's type alone (:func:`kind_of` caches it by type)."""
 
     def take(self, obj: Any) -> tuple[list[torch.Tensor], Any]:
         """The object's large buffers, and the state that rebuilds it from them; ``obj`` must not be used after."""
@@ -56,27 +58,46 @@ class PlainTensorPayload:
         return buffers[0]
 
 
-_KINDS: list[PayloadKind] = [PlainTensorPayload()]
+PLAIN = PlainTensorPayload()  # the run-time operators handle this kind inline: the tensor is its one buffer
+_KINDS: list[PayloadKind] = [PLAIN]
 _BY_NAME: dict[str, PayloadKind] = {k.name: k for k in _KINDS}
+BY_TYPE: dict[type, PayloadKind] = {}  # kind_of's cache (read directly by the run-time operators)
 
 
 def register_payload_kind(kind: PayloadKind) -> None:
     """Adds a payload kind; it is tried before those registered earlier."""
     _KINDS.insert(0, kind)
     _BY_NAME[kind.name] = kind
+    BY_TYPE.clear()
+
+
+def unregister_payload_kind(name: str) -> None:
+    """Removes the payload kind named ``name``."""
+    _KINDS[:] = [k for k in _KINDS if k.name != name]
+    _BY_NAME.pop(name)
+    BY_TYPE.clear()
+
+
+def kind_of(obj: Any) -> PayloadKind:
+    """The payload kind that handles ``obj``: the most recently registered that matches its type (cached by type)."""
+    kind = BY_TYPE.get(type(obj))
+    if kind is None:
+        kind = next((k for k in _KINDS if k.matches(obj)), None)
+        if kind is None:
+            raise TypeError(
+                f"ShardIntermediates: no payload kind handles a saved object of type {type(obj).__qualname__}; "
+                "register one with thunder_fp8shard.payload.register_payload_kind"
+            )
+        BY_TYPE[type(obj)] = kind
+    return kind
 
 
 def take(obj: Any) -> tuple[list[torch.Tensor], Member]:
     """The large buffers of ``obj`` and the :class:`Member` that rebuilds it (see :func:`give`). The payload is each
     buffer's bytes in contiguous order (:func:`as_bytes`)."""
-    for kind in _KINDS:
-        if kind.matches(obj):
-            buffers, state = kind.take(obj)
-            return buffers, Member(kind.name, state, tuple((tuple(b.shape), b.dtype) for b in buffers))
-    raise TypeError(
-        f"ShardIntermediates: no payload kind handles a saved object of type {type(obj).__qualname__}; "
-        "register one with thunder_fp8shard.payload.register_payload_kind"
-    )
+    kind = kind_of(obj)
+    buffers, state = kind.take(obj)
+    return buffers, Member(kind.name, state, tuple((tuple(b.shape), b.dtype) for b in buffers))
 
 
 def give(member: Member, buffers: list[torch.Tensor]) -> Any:

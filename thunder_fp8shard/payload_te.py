@@ -19,6 +19,7 @@ Importing this module raises ``ImportError`` when TransformerEngine is not insta
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,9 +28,11 @@ import transformer_engine.pytorch.tensor.float8_tensor as _te_float8  # noqa: F4
 from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 
 
-def inner_buffers(obj: Any) -> list[tuple[str, str, torch.Tensor | None]]:
-    """``(attribute, constructor keyword, tensor or None)`` for each inner buffer TE declares on ``type(obj)``."""
-    return [(attr, kw, getattr(obj, attr, None)) for attr, kw in type(obj)._INNER_TENSORS]
+@functools.lru_cache(maxsize=None)
+def _large_attributes(cls: type, large_kwargs: tuple[str, ...]) -> tuple[str, ...]:
+    """The attributes of the inner buffers of ``cls`` whose constructor keywords are ``large_kwargs`` (TE declares
+    them on the class: the same for every object, so asked once a type rather than once a saved tensor)."""
+    return tuple(attr for attr, kw in cls._INNER_TENSORS if kw in large_kwargs)
 
 
 class _TEQuantizedPayload:
@@ -43,12 +46,16 @@ class _TEQuantizedPayload:
         return isinstance(obj, self.storage_cls)
 
     def take(self, obj: Any) -> tuple[list[torch.Tensor], tuple[Any, tuple[str, ...]]]:
-        present = [(attr, t) for attr, kw, t in inner_buffers(obj) if kw in self.large_kwargs and t is not None]
-        if not present:
+        buffers, attrs = [], []
+        for attr in _large_attributes(type(obj), self.large_kwargs):
+            t = getattr(obj, attr, None)
+            if t is not None:
+                buffers.append(t)
+                attrs.append(attr)
+                setattr(obj, attr, None)
+        if not buffers:
             raise ValueError(f"{type(obj).__qualname__} holds none of its large buffers {self.large_kwargs}: nothing to shard")
-        for attr, _ in present:
-            setattr(obj, attr, None)
-        return [t for _, t in present], (obj, tuple(attr for attr, _ in present))
+        return buffers, (obj, tuple(attrs))
 
     def give(self, state: tuple[Any, tuple[str, ...]], buffers: list[torch.Tensor]) -> Any:
         obj, attrs = state

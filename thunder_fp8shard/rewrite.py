@@ -58,6 +58,7 @@ class ForwardRewrite:
     sharded: tuple[ShardedBucket, ...]
     shards: tuple[TensorProxy, ...]  # one per shard op
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
+    world_size: int  # what each shard is 1/world_size of
 
 
 def rewrite_forward(
@@ -78,7 +79,11 @@ def rewrite_forward(
             new.push_scope(scope)
             members = tuple(r.members for r in op.buckets)
             names = tuple(tuple(p.name for p in m) for m in members)
-            shard, *restorers = ops.shard(members, group, world_size, op.shard_nbytes, method, verify, names)
+            spec = ops.ShardSpec(group, world_size, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
+            if spec.shard_nbytes != op.shard_nbytes:
+                raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
+                                 f"{spec.shard_nbytes:,} B")
+            shard, *restorers = ops.shard(members, spec)
             new.pop_scope()
             inserted_after.setdefault(max(last_use[n] for m in names for n in m), []).extend(scope)
             shards.append(shard)
@@ -97,7 +102,7 @@ def rewrite_forward(
     _update_forward_with_new_saved_for_backward(new, saved)
     out = del_last_used(new)
     out.set_provenance(TraceProvenance(provenance))
-    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved)
+    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size)
 
 
 def rewrite_backward(
@@ -131,7 +136,7 @@ def rewrite_backward(
             s = handoff.sharded[i]
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, group)
+            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.world_size, group)
             new.pop_scope()
             issue_at = starts[order[j - prefetch]] if j >= prefetch else 0
             before.setdefault(issue_at, []).extend(scope)
