@@ -19,6 +19,12 @@ Ranks: ``--simulate N`` makes this one process rank 0 of N in torch's fake proce
 so the times have **no communication** in them, and the memory is rank 0's); without it, run under ``torchrun`` with
 NCCL, one GPU a rank (every rank runs the same schedule; rank 0 writes).
 
+An arm's options may name a git ``"revision"``: that arm runs that revision's pass (its package extracted with
+``git archive`` and imported under another name beside this checkout's), so two versions of the pass are compared in
+one process. ``--device cpu`` runs Thunder's benchmark on the CPU (small litgpt configs, e.g.
+``--model_name=pythia-14m --n_layers=2 --block_size=64 --compile=thunder``; with ``--simulate``): the pass's CPU
+cost in a whole step, on any machine.
+
 One JSON per comparison (``<out>_<arm>.json``: ``"kind": "paired"``, ``"null"``, ``"overhead_pct"``, ...), and
 the log's last lines are a table. Usage (one H200, simulated 8 ranks)::
 
@@ -37,11 +43,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
+import io
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -124,6 +135,7 @@ def compare(records: list[dict], arm: int) -> dict:
 class Arm:
     name: str
     options: dict | None  # ShardIntermediates options; None: no pass
+    revision: str | None = None  # a git revision whose pass this arm runs (None: this checkout's)
     bench: object = None  # thunder.benchmarks.benchmark_litgpt.Benchmark_litGPT
     shard: object = None  # the ShardIntermediates instance (with the pass)
     resident_bytes: int = 0  # allocated bytes this arm added while built and warmed up (parameters, optimizer state)
@@ -131,6 +143,41 @@ class Arm:
     build_s: float = 0.0
     first_iteration_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+
+OTHER = "thunder_fp8shard_rev"
+
+
+def import_revision(rev: str, into: str):
+    """The pass package of git revision ``rev``, extracted under ``into`` and imported as ``thunder_fp8shard_rev``
+    (its imports, executor and operator names renamed, so that both versions coexist in one process)."""
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "thunder_fp8shard"], check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if not member.isfile():
+                continue
+            path = os.path.join(into, OTHER, os.path.relpath(member.name, "thunder_fp8shard"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            text = tar.extractfile(member).read().decode()
+            if member.name.endswith(".py"):
+                text = re.sub(r"\bthunder_fp8shard\b", OTHER, text).replace('"fp8shard', '"fp8shard_rev')
+            with open(path, "w") as f:
+                f.write(text)
+    sys.path.insert(0, into)
+    return importlib.import_module(OTHER)
+
+
+def _on_the_cpu() -> None:
+    """Thunder's benchmark module picks CUDA device ``LOCAL_RANK`` when it is imported, and Thunder FSDP materializes
+    on CUDA by default: both go to the CPU instead."""
+    import functools
+
+    import thunder.distributed
+    import torch
+
+    torch.cuda.set_device = lambda *a, **k: None
+    thunder.distributed.fsdp = functools.partial(thunder.distributed.fsdp, device=torch.device("cpu"))
 
 
 def _simulate(world_size: int) -> None:
@@ -271,12 +318,10 @@ def timed_iteration(torch, arm: Arm, batch, gc_log: _GcLog) -> dict:
     }
 
 
-def build(bl, arm: Arm, kwargs: dict) -> None:
+def build(bl, arm: Arm, kwargs: dict, passes: dict) -> None:
     import torch
 
-    from thunder_fp8shard import ShardIntermediates
-
-    arm.shard = ShardIntermediates(**arm.options) if arm.options is not None else None
+    arm.shard = passes[arm.revision](**arm.options) if arm.options is not None else None
     start = time.perf_counter()
     with _pass_appended(bl, arm.shard):
         arm.bench = bl.Benchmark_litGPT(**kwargs)
@@ -375,10 +420,17 @@ def _device_name() -> str:
 def run(args, flags: list[str]) -> list[dict]:
     if args.simulate:
         _simulate(args.simulate)
+    if args.device == "cpu":
+        _on_the_cpu()
     import torch
     import torch.distributed as dist
     import thunder.benchmarks.benchmark_litgpt as bl
     from jsonargparse import ArgumentParser
+
+    from thunder_fp8shard import ShardIntermediates
+
+    if args.device == "cpu":
+        bl.device = torch.device("cpu")
 
     parser = ArgumentParser()
     parser.add_class_arguments(bl.Benchmark_litGPT)
@@ -386,9 +438,17 @@ def run(args, flags: list[str]) -> list[dict]:
     torch.set_float32_matmul_precision("high")  # as the benchmark's __main__
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    arms = [Arm(name, opts) for name, opts in json.loads(args.arms).items()]
+    arms = [Arm(name, None if opts is None else {k: v for k, v in opts.items() if k != "revision"},
+                None if opts is None else opts.get("revision")) for name, opts in json.loads(args.arms).items()]
     if len(arms) < 2 or arms[0].options is not None:
         raise SystemExit("--arms: the first arm is the base and has no pass (null), and at least one more arm")
+    passes = {None: ShardIntermediates}
+    revs = {a.revision for a in arms if a.revision is not None}
+    if len(revs) > 1:
+        raise SystemExit(f"--arms: at most one other revision of the pass in a process, got {sorted(revs)}")
+    revisions = tempfile.TemporaryDirectory()  # lives as long as this run
+    for rev in revs:
+        passes[rev] = import_revision(rev, revisions.name).ShardIntermediates
     gc_log = _GcLog()
     gc.callbacks.append(gc_log)
     batches = None
@@ -399,7 +459,7 @@ def run(args, flags: list[str]) -> list[dict]:
         before = torch.cuda.memory_allocated(dev) if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-        build(bl, arm, kwargs)
+        build(bl, arm, kwargs, passes)
         batches = batches or _batches(arm.bench, rank)
         t = time.perf_counter()
         step(arm.bench, batches[0])  # compiles
@@ -438,7 +498,7 @@ def run(args, flags: list[str]) -> list[dict]:
         "design": f"ABBA quads against the base arm, {args.timed} timed iterations per arm ({args.timed // 2} quads), "
                   f"{args.warmup_quads} warm-up quads per arm discarded, bootstrap 95% CI over quads; "
                   f"gc.freeze after warm-up: {args.freeze_gc}",
-        "arms": [{"name": a.name, "options": a.options, "build_s": a.build_s, "first_iteration_s": a.first_iteration_s,
+        "arms": [{"name": a.name, "options": a.options, "revision": a.revision, "build_s": a.build_s, "first_iteration_s": a.first_iteration_s,
                   "resident_GB": a.resident_bytes / 1e9,
                   "alone_peak_GB": None if a.alone_peak_bytes is None else a.alone_peak_bytes / 1e9,
                   "notes": a.notes, "plan": plan_summary(a.shard)} for a in arms],
@@ -446,7 +506,8 @@ def run(args, flags: list[str]) -> list[dict]:
     }
     results = []
     for k, arm in enumerate(arms[1:], start=1):
-        res = dict(common, arm=arm.name, base=arms[0].name, options=arm.options, null=arm.options is None,
+        res = dict(common, arm=arm.name, base=arms[0].name, options=arm.options, revision=arm.revision,
+                   null=arm.options is None,
                    **compare(records, k))
         plan = plan_summary(arm.shard)
         if plan:
@@ -482,6 +543,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default='{"without": null, "with": {}}',
                    help="JSON object: arm name -> ShardIntermediates options, or null for no pass; the first is the base")
     p.add_argument("--simulate", type=int, default=0, metavar="N", help="rank 0 of N in torch's fake process group")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: Thunder's benchmark on the CPU (small configs; the pass's CPU cost in a whole step)")
     p.add_argument("--timed", type=int, default=100, help="timed iterations per arm (even)")
     p.add_argument("--warmup", type=int, default=2, help="iterations of each arm right after it is compiled")
     p.add_argument("--warmup-quads", type=int, default=2, help="alternating quads per arm before timing (discarded)")

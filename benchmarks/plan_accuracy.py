@@ -1,6 +1,6 @@
 """Plan accuracy: the pass's predicted per-rank memory of one training step against what the device measured.
 
-Trains a Thunder FSDP ZeRO-3 model (``bench_litgpt.setup_rank``: litgpt with TransformerEngine FP8 on the GPU;
+Trains a Thunder FSDP ZeRO-3 model (``litgpt_run.setup_rank``: litgpt with TransformerEngine FP8 on the GPU;
 ``--model toy --no-te --device cpu``: the fake-FP8 ``toy_models.FakeFP8Llama`` on the CPU) for ``--steps`` AdamW
 steps and records the last one: on CUDA with ``torch.cuda.memory._record_memory_history`` (the allocator's
 alloc/free events, with Python stacks), on the CPU with ``torch.profiler`` (``profile_memory=True``). Small marker
@@ -40,7 +40,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]
 
-import bench_litgpt  # noqa: E402
+from thunder_fp8shard.testing import litgpt_run  # noqa: E402
 
 MARK_BYTES = 1021 * 512  # a multiple of the CUDA allocator's 512-byte rounding with a prime factor no model has
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -297,7 +297,7 @@ def _thunder_line(frames: list[dict]) -> dict | None:
 
 def accuracy_rank(rank: int, world_size: int, cfg, steps: int, snapshot_dir: str | None) -> dict:
     """Trains ``steps`` steps and records the last; returns this rank's report."""
-    s = bench_litgpt.setup_rank(rank, cfg)
+    s = litgpt_run.setup_rank(rank, cfg)
     cuda = s.device.type == "cuda"
     snapshot = os.path.join(snapshot_dir, f"snapshot_rank{rank}.pickle") if snapshot_dir and cuda else None
     recorder = CudaRecorder(s.device, snapshot) if cuda else CpuRecorder(lambda: _alive(s, idx))
@@ -338,7 +338,7 @@ def _alive(s, batch: torch.Tensor) -> list[torch.Tensor]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bench_litgpt.add_model_args(p)
+    litgpt_run.add_model_args(p)
     p.add_argument("--model", choices=("litgpt", "toy"), default="litgpt", help="toy: fake-FP8 Llama without litgpt")
     p.add_argument("--world-size", type=int, default=2, help="gloo: ranks to spawn (torchrun sets it for nccl)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
@@ -360,7 +360,7 @@ def main(argv=None) -> dict:
     extra = {"optimizer_states": a.optimizer_states, **json.loads(a.options)}
     if not a.shard:
         extra.update(policy="budget", budget_bytes=1 << 62)  # already within the budget: nothing is sharded
-    cfg = bench_litgpt.RunConfig(
+    cfg = litgpt_run.RunConfig(
         model=a.model, model_name=a.model_name, n_layer=a.n_layer, n_embd=a.n_embd, intermediate_size=a.intermediate_size,
         n_head=a.n_head, vocab_size=a.vocab_size, micro_batch_size=a.micro_batch_size, seq_len=a.seq_len, steps=a.steps,
         sdpa=a.sdpa, te=a.te, device=a.device, extra=extra,
@@ -376,7 +376,7 @@ def main(argv=None) -> dict:
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
     result = {"config": {**asdict(replace(cfg)), "backend": a.backend, "world_size": len(ranks)},
-              "device": bench_litgpt.device_info(), "ranks": ranks}
+              "device": litgpt_run.device_info(), "ranks": ranks}
     if a.backend == "gloo" or dist.get_rank() == 0:
         write(result, a.out)
         r0 = ranks[0]

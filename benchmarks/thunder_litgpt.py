@@ -130,7 +130,6 @@ def _pin(local_rank: int, local_world: int) -> list[int]:
 
 
 def worker(args, flags: list[str]) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model_dump
     if args.pin_cores:
         pinned = _pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     import torch
@@ -166,19 +165,8 @@ def worker(args, flags: list[str]) -> None:
         finally:
             clock["c"].starts.append(time.perf_counter())  # the end of the last iteration
 
-    models: list = []  # (memory model, plan) of every compilation, for --dump-model
     if shard is not None:
         bl.Benchmark_litGPT.setup_compile = setup_compile_with_pass
-        if args.dump_model:
-            import thunder_fp8shard.transform as transform
-
-            real_model = transform.memory_model
-
-            def keeping_model(*a, **kw):
-                models.append(real_model(*a, **kw))
-                return models[-1]
-
-            transform.memory_model = keeping_model
     bl.Benchmark_litGPT.train = timed_train
     torch.set_float32_matmul_precision("high")  # as Thunder's __main__
     metrics_path = os.path.join(args.workdir, "metrics.json")
@@ -202,13 +190,6 @@ def worker(args, flags: list[str]) -> None:
 
         extra["plan"] = plan_summary(shard.plans)
         extra["pass_module"] = thunder_fp8shard.__file__
-        if args.dump_model and models:
-            from model_dump import dump
-
-            # the training entry: the compilation with the most steps (its plan is the one with the most decisions)
-            k = max(range(len(models)), key=lambda i: len(models[i].steps))
-            dump(models[k], shard.plans[k].decisions, shard.plans[k].world_size,
-                 os.path.join(args.workdir, "model_rank0.json.gz"))
     with open(os.path.join(args.workdir, "extra.json"), "w") as f:
         json.dump(extra, f)
 
@@ -247,8 +228,6 @@ def run_side(side: str, args, flags: list[str]) -> dict:
         cmd.append(f"--profile-iter={args.profile_iter}")
     if args.pin_cores:
         cmd.append("--pin-cores")
-    if args.dump_model and side == "with":
-        cmd.append(f"--dump-model={args.dump_model}")
     cmd += ["--", *flags]
     path = [*args.pythonpath, ROOT, os.environ.get("PYTHONPATH")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
@@ -277,12 +256,6 @@ def run_side(side: str, args, flags: list[str]) -> dict:
             with open(trace, "rb") as src, gzip.open(dest, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             run["trace_file"] = os.path.basename(dest)
-    dumped = os.path.join(workdir, "model_rank0.json.gz")
-    if os.path.exists(dumped):
-        os.makedirs(args.dump_model, exist_ok=True)
-        dest = os.path.join(args.dump_model, f"{args.tag}_model.json.gz")
-        shutil.copyfile(dumped, dest)
-        run["model_file"] = os.path.basename(dest)
     shutil.rmtree(workdir, ignore_errors=True)
     print(f"[thunder_litgpt] {side}: average iter time {run['perf_metrics']['average_iter_time']:.2f} ms, "
           f"memory used {run['perf_metrics']['memory_used_GB']:.2f} GB", flush=True)
@@ -327,10 +300,6 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--pythonpath", action="append", default=[],
                    help="put this folder first on the runs' PYTHONPATH (e.g. an older version of the pass)")
-    p.add_argument("--dump-model", metavar="DIR", default=None,
-                   help="save the pass's memory model of the training entry (with-runs, rank 0) into DIR as "
-                        "<tag>_model.json.gz, to replay the grouping on the CPU (model_dump.py); the run keeps it "
-                        "in memory until the end, so do not compare that run's times")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin each rank to its own physical cores (both sides alike): a CPU-bound step's time then "
                         "depends less on where the scheduler puts the ranks")

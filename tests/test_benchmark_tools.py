@@ -181,30 +181,6 @@ def test_downsample_keeps_the_maximum_of_every_bin():
     assert (x, y) == ([1, 4, 8], [5, 9, 3])
 
 
-def test_a_dumped_memory_model_loads_back_and_replays_the_grouping(tmp_path):
-    import model_dump
-
-    from thunder_fp8shard.memory_model import MemoryModel, Placement
-    from thunder_fp8shard.plan import GIVEN, Decision
-    from thunder_fp8shard.planner import schedule
-
-    steps = tuple(Step(i, "forward" if i < 5 else "backward", f"op{i}") for i in range(10))
-    lives = {"X": Life("X", ("X",), 1000, 0, 9), "W1": Life("W1", ("W1", "v1"), 512, 1, 9),
-             "W2": Life("W2", ("W2",), 512, 2, 8), "A": Life("A", ("A",), 3000, 3, 6)}
-    model = MemoryModel(lives, steps, {"W1": Placement("W1", 1, 9), "W2": Placement("W2", 2, 8)}, (True,) * 10,
-                        (MemoryTerm("loss", GIVEN, "loss_bytes", ((5, 5, 7),)),))
-    decisions = [Decision(n, (512,), "float8_e4m3fn", "float8", 512, True, True, "", 256) for n in ("W1", "W2")]
-    path = str(tmp_path / "m.json.gz")
-    model_dump.dump(model, decisions, 2, path)
-    back, sharded, world_size = model_dump.load(path)
-    assert back == model and [d.name for d in sharded] == ["W1", "W2"] and world_size == 2
-    assert schedule(sharded, back, prefetch=0, bucket_bytes=1024, world_size=2) == schedule(
-        decisions, model, prefetch=0, bucket_bytes=1024, world_size=2)
-    replayed = model_dump.replay(path, 1024, 0)
-    # at step 5: X, A and the loss term, and the bucket's two 256 B shards instead of both 512 B copies
-    assert replayed["bucket_members"] == [2] and replayed["peak_after"] == 1000 + 3000 + 7 + 512
-
-
 # ---- the paired benchmark (benchmarks/paired.py): its schedule and statistics ---------------------------------------
 
 import numpy as np  # noqa: E402
@@ -255,18 +231,39 @@ def test_paired_differences_pair_each_iteration_with_the_base_beside_it():
 
 
 def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
-    """cpu_step_ab.py compares two versions of the pass in one process: the other one's package, operators and
-    executor come under other names."""
+    """An arm of the paired benchmark may run another revision of the pass in the same process: the other one's
+    package, operators and executor come under other names."""
     import subprocess
-
-    import cpu_step_ab
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     from thunder_fp8shard import ShardIntermediates, ops
 
-    other = cpu_step_ab.import_revision("HEAD", str(tmp_path))
-    assert other.__name__ == "thunder_fp8shard_ab" and other.ShardIntermediates is not ShardIntermediates
+    other = paired.import_revision("HEAD", str(tmp_path))
+    assert other.__name__ == "thunder_fp8shard_rev" and other.ShardIntermediates is not ShardIntermediates
     assert other.ops.executor.name != ops.executor.name and other.ops.shard.name != ops.shard.name
-    assert other.ops.payload.__name__ == "thunder_fp8shard_ab.payload"
+    assert other.ops.payload.__name__ == "thunder_fp8shard_rev.payload"
+
+
+def test_every_result_file_is_in_the_readmes_index():
+    """benchmarks/README.md's results index names every file under benchmarks/results/ (in its first column,
+    ``{a,b}`` expanding), and names no file that is not there."""
+    import itertools
+    import re
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    text = open(os.path.join(bench, "README.md")).read()
+    index = text[text.index("## `results/`"):]
+    index = index[: index.index("\n## ", 5)]
+    named = set()
+    for row in index.splitlines():
+        if row.startswith("| `"):
+            for token in re.findall(r"`([^`]+)`", row.split("|")[1]):
+                parts = re.split(r"\{([^}]*)\}", token)
+                named.update("".join(c) for c in itertools.product(*[p.split(",") if i % 2 else [p]
+                                                                     for i, p in enumerate(parts)]))
+    present = {os.path.relpath(os.path.join(d, f), os.path.join(bench, "results"))
+               for d, _, files in os.walk(os.path.join(bench, "results")) for f in files}
+    assert present - named == set(), "result files the index does not name"
+    assert named - present == set(), "the index names files that do not exist"

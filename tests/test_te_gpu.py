@@ -28,7 +28,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from benchmarks import bench_litgpt as bench  # noqa: E402
+from thunder_fp8shard.testing import litgpt_run as bench  # noqa: E402
 from thunder_fp8shard.testing.harness import run_on_ranks  # noqa: E402
 
 SMALL = dict(n_layer=2, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096, seq_len=256,

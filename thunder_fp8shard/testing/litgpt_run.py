@@ -1,39 +1,25 @@
-"""litgpt training-step benchmark for ShardIntermediates under Thunder FSDP ZeRO-3 with the TransformerEngine executor.
+"""One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 with TransformerEngine's
+executor, with or without the pass: the GPU exactness test (``tests/test_te_gpu.py``) and the plan-accuracy tool
+(``benchmarks/plan_accuracy.py``) train it. Not part of the pass.
 
-In the spirit of Thunder's ``thunder/benchmarks/benchmark_litgpt.py``: builds a litgpt model from a config name, jits
-it with ``executors=[transformer_engine_ex, ...]`` and ``FSDPTransform(ZeRO-3)`` (plus ``ShardIntermediates`` with
-``--shard``), runs ``--steps`` AdamW steps on random tokens (different per rank) and writes JSON with, per rank: peak
-memory (``torch.cuda.max_memory_allocated``), saved-for-backward bytes (predicted by the plan, and measured with
-``torch.autograd.graph.saved_tensors_hooks``: each distinct storage once, a TE quantized tensor counted by its inner
-buffers), step times, losses, and the device.
-
-Ranks: ``--backend gloo`` (default) spawns ``--world-size`` processes on this machine, all on GPU
-``rank % device_count`` (two gloo ranks share one H200; NCCL refuses that). ``--backend nccl`` expects to be launched
-by ``torchrun --nproc-per-node N`` (RANK / WORLD_SIZE / LOCAL_RANK in the environment), one GPU per rank.
-Gloo step times are NOT representative of NCCL (gloo moves CUDA tensors through host memory).
-
-Examples::
-
-    python benchmarks/bench_litgpt.py --model-name Llama-2-7b-hf --n-layer 2 --both --out benchmarks/results/x.json
-    torchrun --nproc-per-node 8 benchmarks/bench_litgpt.py --backend nccl --shard --out results.json
+:func:`setup_rank` builds the model from a litgpt config name (shrunk by :class:`RunConfig`'s overrides), jits it
+with ``executors=[transformer_engine_ex, ...]``, ``FSDPTransform(ZeRO-3)`` and ``ShardIntermediates`` (with
+``shard``), and makes its AdamW optimizer. :func:`run_rank` runs ``steps`` steps on random tokens (different per
+rank) and returns, per rank: peak memory by phase (``torch.cuda.max_memory_allocated``), saved-for-backward bytes
+(measured with ``saved_tensors_hooks``, :mod:`thunder_fp8shard.testing.measure`), step times, losses (and with
+``return_grads`` every step's gradient shards), and the plan. Ranks: under :func:`~thunder_fp8shard.testing.harness
+.run_on_ranks` (gloo: every rank on GPU ``rank % device_count``; NCCL: one GPU a rank).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 @dataclass
@@ -246,71 +232,8 @@ def device_info() -> dict:
     return info
 
 
-def _summary(ranks: list[dict], cfg: RunConfig, backend: str) -> dict:
-    res = {
-        "config": asdict(cfg), "backend": backend,
-        "timing_note": ("gloo over CUDA tensors moves every collective through host memory: step times are NOT "
-                        "representative of NCCL") if backend == "gloo" else "NCCL",
-        "ranks": [{k: v for k, v in r.items() if k != "grads"} for r in ranks],
-        "peak_bytes_max_over_ranks": max(r["peak_bytes"] for r in ranks),
-        "saved_bytes_measured_per_rank": [r["saved_bytes_measured"] for r in ranks],
-    }
-    if "plan" in ranks[0]:
-        res["saved_bytes_predicted_before"] = ranks[0]["plan"]["saved_bytes_before"]
-        res["saved_bytes_predicted_after"] = ranks[0]["plan"]["saved_bytes_after"]
-        res["te_weight_bytes_saved_for_backward"] = sum(
-            d["nbytes"] for d in ranks[0]["plan"]["decisions"] if d["kind"] == "te_float8" and d["replicated"])
-    return res
-
-
-def run(cfg: RunConfig, world_size: int, backend: str) -> dict:
-    """Runs one configuration on all ranks; returns the summary (on every rank under torchrun)."""
-    if backend == "gloo":
-        from thunder_fp8shard.testing.harness import run_on_ranks
-
-        ranks = run_on_ranks(run_rank, world_size, cfg)
-    else:
-        ranks = _run_torchrun(cfg)
-    return _summary(ranks, cfg, backend)
-
-
-def _run_torchrun(cfg: RunConfig) -> list[dict]:
-    if not dist.is_initialized():
-        dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = run_rank(rank, world, cfg)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
-def compare(without: dict, with_: dict) -> dict:
-    """Memory reduction next to the target: >= 95% of (k-1)/k x the saved FP8 weight bytes (k: the ranks each copy is
-    sharded over, the world size N unless shard_group_size says otherwise)."""
-    n = with_["ranks"][0]["world_size"]
-    k = with_["ranks"][0].get("plan", {}).get("shard_group_size", n)
-    fp8w = with_.get("te_weight_bytes_saved_for_backward", 0)
-    per_rank = []
-    for a, b in zip(without["ranks"], with_["ranks"]):
-        red = a["peak_bytes"] - b["peak_bytes"]
-        per_rank.append({"rank": a["rank"], "peak_without": a["peak_bytes"], "peak_with": b["peak_bytes"],
-                         "peak_reduction": red,
-                         "saved_measured_without": a["saved_bytes_measured"],
-                         "saved_measured_with": b["saved_bytes_measured"],
-                         "saved_reduction_measured": a["saved_bytes_measured"] - b["saved_bytes_measured"]})
-    target = 0.95 * (k - 1) / k * fp8w
-    worst = min(r["peak_reduction"] for r in per_rank)
-    return {
-        "world_size": n, "shard_group_size": k, "te_fp8_weight_bytes_saved_for_backward": fp8w,
-        "predicted_saved_reduction": with_.get("saved_bytes_predicted_before", 0) - with_.get("saved_bytes_predicted_after", 0),
-        "target_peak_reduction_bytes": target, "worst_rank_peak_reduction_bytes": worst,
-        "target_met": bool(fp8w > 0 and worst >= target), "per_rank": per_rank,
-        "losses_bitwise_equal": [a["losses_hex"] == b["losses_hex"] for a, b in zip(without["ranks"], with_["ranks"])],
-    }
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The litgpt model and batch shape arguments, shared with ``te_peer.py``."""
+    """The litgpt model and batch shape arguments (``plan_accuracy.py``'s command line)."""
     p.add_argument("--model-name", default="Llama-2-7b-hf")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int)
@@ -319,55 +242,3 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=1024)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p)
-    p.add_argument("--world-size", type=int, default=2, help="gloo: ranks to spawn (torchrun sets it for nccl)")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--shard", action=argparse.BooleanOptionalAction, default=True, help="with/without the pass")
-    p.add_argument("--both", action="store_true", help="run without and with the pass, and compare")
-    p.add_argument("--method", choices=("slice", "reduce_scatter"), default="slice")
-    p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--verify", action="store_true")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--te", action=argparse.BooleanOptionalAction, default=True, help="--no-te: CPU dry runs only")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--out", help="JSON path")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    a = parse_args(argv)
-    cfg = RunConfig(model_name=a.model_name, n_layer=a.n_layer, n_embd=a.n_embd, intermediate_size=a.intermediate_size,
-                    n_head=a.n_head, vocab_size=a.vocab_size, micro_batch_size=a.micro_batch_size, seq_len=a.seq_len,
-                    steps=a.steps, shard=a.shard, method=a.method, prefetch=a.prefetch, verify=a.verify, sdpa=a.sdpa,
-                    te=a.te, device=a.device)
-    world = int(os.environ.get("WORLD_SIZE", a.world_size)) if a.backend == "nccl" else a.world_size
-    result = {"device": device_info(), "world_size": world}
-    if a.both:
-        from dataclasses import replace
-
-        result["without"] = run(replace(cfg, shard=False), world, a.backend)
-        result["with"] = run(replace(cfg, shard=True), world, a.backend)
-        result["comparison"] = compare(result["without"], result["with"])
-    else:
-        result["with" if cfg.shard else "without"] = run(cfg, world, a.backend)
-    is_zero = a.backend == "gloo" or dist.get_rank() == 0
-    if is_zero:
-        text = json.dumps(result, indent=1, default=str)
-        if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                f.write(text)
-        if "comparison" in result:
-            print(json.dumps(result["comparison"], indent=1), flush=True)
-    if a.backend == "nccl" and dist.is_initialized():
-        dist.destroy_process_group()
-    return result
-
-
-if __name__ == "__main__":
-    main()
