@@ -4,9 +4,9 @@ Thunder calls the post-optimization hook on the forward trace, then on the backw
 entry. What to shard is decided on the joint program, so the forward hook returns a stand-in trace and the
 backward hook plans, rewrites both traces, and fills the stand-in in place (Thunder builds the forward callable
 from it only after both hooks ran). Hence ShardIntermediates must be the last transform with a post-optimization
-hook; this is checked. Before planning, the inputs that can differ between ranks are agreed across the setup's
-process group, and the plan's collectives are compared across it before the rewrite (see
-:mod:`thunder_fp8shard.agreement`).
+hook; this is checked. Before planning, the inputs that can differ between ranks are agreed across the shard group
+(the ranks that run the plan's collectives together), and the plan's collectives are compared across it before the
+rewrite (see :mod:`thunder_fp8shard.agreement`).
 """
 
 from __future__ import annotations
