@@ -94,6 +94,17 @@ def test_one_shard_op_keeps_several_buckets_and_each_comes_back_from_its_offset(
     assert all(torch.equal(x, y) for x, y in zip((ra, rb, rc), expected))
 
 
+def test_gather_next_waits_for_one_bucket_and_starts_the_next_in_one_call(single_rank_group):
+    a, b, c = torch.randn(3, 5), torch.arange(7, dtype=torch.int16), torch.randn(2, 2, dtype=torch.float64)
+    expected = [t.clone() for t in (a, b, c)]
+    shard, restorers, offsets, sizes = _shard(single_rank_group, [[a, b], [c]])
+    first = ops._gather_start_impl(shard, offsets[0], sizes[0], 1, single_rank_group)
+    ra, rb, second = ops._gather_next_impl(first, restorers[0], shard, offsets[1], sizes[1], 1, single_rank_group)
+    assert isinstance(second, ops.GatherHandle) and second.buffer.numel() == sizes[1] and restorers[0].taken
+    (rc,) = ops._gather_wait_impl(second, restorers[1])
+    assert all(torch.equal(x, y) for x, y in zip((ra, rb, rc), expected))
+
+
 def test_a_shard_op_works_its_layout_out_again_when_its_buffers_change_shape(single_rank_group):
     """The op keeps what it worked out on its first call (in its spec) only while the buffers keep their kinds,
     shapes and dtypes: other shapes of the same bytes come back with their own shape."""

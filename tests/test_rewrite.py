@@ -3,7 +3,7 @@
 import pytest
 from thunder.core import dtypes
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import AnyProxy
+from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard import ops
@@ -93,26 +93,34 @@ def test_saved_lists_keep_their_positional_contract(fsdp_traces, together):
 def test_backward_waits_just_before_the_first_consumer_and_gathers_prefetch_ahead(fsdp_traces, prefetch):
     fw, bw, new_fw, new_bw, gathers = _rewrite(fsdp_traces, prefetch)
     bsyms = new_bw.bound_symbols
-    waits = [i for i, b in enumerate(bsyms) if b.sym is ops.gather_wait]
+    waiting = (ops.gather_wait, ops.gather_next)
+    waits = [i for i, b in enumerate(bsyms) if b.sym in waiting]
     assert len(waits) == len(gathers) == 3
     consumers = []
     for w in waits:
-        (restored,) = bsyms[w].flat_proxy_outs
-        assert restored.dtype == dtypes.float8_e4m3fn  # original shape and dtype come back
-        first = next(i for i, b in enumerate(bsyms) if restored.name in _uses(b))
-        assert first > w and all(b.sym.id == PrimIDs.DEL or b.sym in (ops.gather_start, ops.gather_wait) for b in bsyms[w + 1 : first])
+        restored = [p for p in bsyms[w].flat_proxy_outs if isinstance(p, TensorProxy)]
+        assert len(restored) == 1 and restored[0].dtype == dtypes.float8_e4m3fn  # original shape and dtype come back
+        first = next(i for i, b in enumerate(bsyms) if restored[0].name in _uses(b))
+        assert first > w and all(b.sym.id == PrimIDs.DEL or b.sym in (ops.gather_start, *waiting) for b in bsyms[w + 1 : first])
         consumers.append(first)
     # the j-th gather is issued before the consumer of the (j - prefetch)-th, or at the top of the backward
     bookkeeping = lambda b: b.sym.id == PrimIDs.DEL or "UNPACK" in str(b.sym.id) or b.sym is clear_mutable_collection  # noqa: E731
     body_start = next(i for i, b in enumerate(bsyms) if not bookkeeping(b))
     for j, g in enumerate(gathers):
         if prefetch == 0:
-            assert all(b.sym.id == PrimIDs.DEL for b in bsyms[g + 1 : waits[j]])
+            assert bsyms[g].sym is ops.gather_start and all(b.sym.id == PrimIDs.DEL for b in bsyms[g + 1 : waits[j]])
         elif j >= prefetch:
-            assert waits[j - prefetch] < g < consumers[j - prefetch]
+            # issued by the (j - prefetch)-th bucket's wait: one call waits for that one and starts this one
+            assert g == waits[j - prefetch] and bsyms[g].sym is ops.gather_next and g < consumers[j - prefetch]
+            assert bsyms[g].output[-1] is bsyms[waits[j]].args[0]  # the handle it makes is the one waited for
         else:  # at the top of the backward body, before any computation
+            assert bsyms[g].sym is ops.gather_start
             assert all(b.sym is ops.gather_start or b.sym.id == PrimIDs.DEL for b in bsyms[body_start:g])
         assert g < waits[j]
+    # one call a bucket after the first prefetch ones: a start each, then waits that start the next
+    assert [b.sym for b in bsyms if b.sym in (ops.gather_start, *waiting)] == (
+        [ops.gather_start, ops.gather_wait] * 3 if prefetch == 0
+        else [ops.gather_start] * prefetch + [ops.gather_next] * (3 - prefetch) + [ops.gather_wait] * prefetch)
     assert sum(b.sym is clear_mutable_collection for b in bsyms) >= 3  # saved lists and cotangents are cleared
     _assert_no_use_after_del(new_bw)
     assert new_bw.get_provenance().pss == "bwd test"
@@ -144,9 +152,10 @@ def test_one_shard_op_keeps_several_buckets_in_one_tensor_and_each_is_gathered_f
     saved_tensors, saved_other = forward_saved(new_fw.trace)
     assert [p.name for p in saved_tensors].count(shard.name) == 1
     assert [p.name for p in saved_other] == [s.restorer.name for s in new_fw.sharded]
-    starts = [b for b in new_bw.bound_symbols if b.sym is ops.gather_start]
-    assert len(starts) == len(gathers) == 3
-    assert sorted((b.args[1], b.args[2]) for b in starts) == [(0, 768), (768, 1440), (2208, 158)]
-    assert all(b.args[0].name == shard.name for b in starts)
+    # a gather's (shard, offset, bytes): a start's first three arguments, a next's three after the wait's two
+    issued = [b.args[:3] if b.sym is ops.gather_start else b.args[2:5] for b in map(new_bw.bound_symbols.__getitem__, gathers)]
+    assert len(issued) == 3
+    assert sorted((offset, n) for _, offset, n in issued) == [(0, 768), (768, 1440), (2208, 158)]
+    assert all(s.name == shard.name for s, _, _ in issued)
     _assert_no_use_after_del(new_fw.trace)
     _assert_no_use_after_del(new_bw)

@@ -5,7 +5,10 @@ Forward:  ``shard, r1, ..., rb = fp8shard_shard(((t1, ..., tk), ...), spec)``: o
           :class:`ShardSpec`, made by the rewrite (group, world size, planned bytes, method, verify, names).
 Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, group)`` (issues one bucket's
           all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
-          of the gathered buffer, see :mod:`thunder_fp8shard.layout`).
+          of the gathered buffer, see :mod:`thunder_fp8shard.layout`). Where a wait and the next bucket's start fall
+          at the same place (with ``prefetch >= 1``, at every bucket but the last), they are one call:
+          ``t1, ..., tk, next_handle = fp8shard_gather_next(handle, restorer, shard, offset, nbytes, world_size,
+          group)`` (waits, then issues the next all-gather), so a bucket costs the backward one operator call.
 
 Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives); the gathered
 buffer is the bucket's layout padded to a multiple of the world size, so no byte is ever dropped.
@@ -358,3 +361,26 @@ def _gather_wait(handle: GatherHandle, restorer: Restorer) -> tuple:
 
 
 gather_wait = executor.register_operator("fp8shard_gather_wait", meta=_gather_wait_meta, fn=_gather_wait_impl)
+
+
+def _gather_next_meta(handle, restorer, shard, offset: int, nbytes: int, world_size: int, group):
+    raise NotImplementedError("fp8shard_gather_next is bound by the rewrite with the restored proxies and the next "
+                              "handle as its outputs")
+
+
+def _gather_next_impl(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
+                      world_size: int, group) -> tuple:
+    if _profiler._is_profiler_enabled:
+        with torch.profiler.record_function("fp8shard_gather_next"):
+            return _gather_next(handle, restorer, shard, offset, nbytes, world_size, group)
+    return _gather_next(handle, restorer, shard, offset, nbytes, world_size, group)
+
+
+def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
+                 world_size: int, group) -> tuple:
+    """One bucket's wait and a later bucket's start, as one call: the members of the one, the handle of the other."""
+    handle.work.wait()
+    return (*restorer.restore(handle.buffer), _gather_start(shard, offset, nbytes, world_size, group))
+
+
+gather_next = executor.register_operator("fp8shard_gather_next", meta=_gather_next_meta, fn=_gather_next_impl)

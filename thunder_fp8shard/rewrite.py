@@ -112,7 +112,8 @@ def rewrite_backward(
 
     The wait (``fp8shard_gather_wait``) goes just before that consumer; the all-gather is issued ``prefetch``
     buckets earlier: right before the first consumer of the ``prefetch``-th previous bucket, or at the start of the
-    backward. Returns the new trace and, for each gather in issue order, its index among the new bound symbols.
+    backward. A wait and a start at the same place are one call (``fp8shard_gather_next``). Returns the new trace
+    and, for each gather in issue order, the index of the bound symbol that issues it.
     """
     saved_tensors, _ = backward_saved(bw)
     if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) - len(handoff.shards) + sum(
@@ -142,12 +143,25 @@ def rewrite_backward(
             before.setdefault(issue_at, []).extend(scope)
             wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
             before.setdefault(starts[i], []).append(wait)
-    new.bound_symbols = [b for i, b in enumerate(body) for b in (*before.get(i, ()), b)]
+    new.bound_symbols = [b for i, b in enumerate(body) for b in (*_fused(before.get(i, ())), b)]
     _update_backward_with_new_saved_for_backward(new, handoff.saved)
     out = del_last_used(new, clear_mutable_collections=True)
     out.set_provenance(TraceProvenance(provenance))
-    gathers = [i for i, b in enumerate(out.bound_symbols) if b.sym is ops.gather_start]
+    gathers = [i for i, b in enumerate(out.bound_symbols) if b.sym in (ops.gather_start, ops.gather_next)]
     return out, gathers
+
+
+def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
+    """The operators inserted at one place, each wait followed by a start made one ``fp8shard_gather_next`` call (the
+    wait first, as before; the two touch different buckets, and nothing runs between them either way)."""
+    out: list[BoundSymbol] = []
+    for b in inserted:
+        if b.sym is ops.gather_start and out and out[-1].sym is ops.gather_wait:
+            wait = out.pop()
+            out.append(ops.gather_next.bind(*wait.args, *b.args, output=(*wait.output, b.output)))
+        else:
+            out.append(b)
+    return out
 
 
 def _last_forward_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:

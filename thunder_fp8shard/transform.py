@@ -116,7 +116,7 @@ class ShardIntermediates(Transform):
         policy: str = "all",
         budget_bytes: int | None = None,
         prefetch: int = 1,
-        bucket_bytes: int = 256 << 20,
+        bucket_bytes: int = 1 << 30,
         comm: str = "shared",
         resident_bytes: int | None = None,
         optimizer_states: int | None = None,
