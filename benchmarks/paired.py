@@ -196,6 +196,45 @@ def _simulate(world_size: int) -> None:
     dist.init_process_group = fake
 
 
+def _pass_gathers_on_their_own_stream() -> None:
+    """``--comm-stream``: the pass's all-gathers keep ProcessGroupNCCL's stream protocol over the fake group.
+
+    The fake group's all-gather copies the input into each of the N chunks of the output on the *current* stream, so
+    under ``--simulate`` the pass's gathers (the whole gathered bytes of every bucket, a step) run on the compute stream,
+    in a backward that keeps the GPU busy; NCCL runs them on a stream of its own, which first waits for the compute
+    stream, and ``wait()`` makes the compute stream wait for it. This does the same around the fake group's call: the
+    output is allocated on the compute stream, as the pass does, the copies run on a side stream, and the handle's
+    ``wait`` is a stream wait. The bytes the copies write are the gathered buffer's, as NCCL's are. Only the pass's
+    operators (``thunder_fp8shard.ops``) are patched; FSDP's own gathers stay on the compute stream on every arm."""
+    import torch
+    from thunder_fp8shard import ops
+
+    side = torch.cuda.Stream()
+
+    class StreamWork:
+        __slots__ = ("event",)
+
+        def __init__(self, event):
+            self.event = event
+
+        def wait(self):
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def gather_start(shard, offset, nbytes, world_size, group):
+        mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
+        out = shard.new_empty(nbytes * world_size)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            group._allgather_base(out, mine, ops._ASYNC)
+            event = torch.cuda.Event()
+            event.record(side)
+        out.record_stream(side)
+        mine.record_stream(side)
+        return ops.GatherHandle(StreamWork(event), out)
+
+    ops._gather_start = gather_start  # _gather_start_impl and _gather_next look it up at each call
+
+
 @contextlib.contextmanager
 def _pass_appended(bl, shard):
     """While ``Benchmark_litGPT.setup_compile`` runs: ``thunder.jit`` and ``ThunderCompiler`` get ``shard`` as their
@@ -428,6 +467,8 @@ def run(args, flags: list[str]) -> list[dict]:
     from jsonargparse import ArgumentParser
 
     from thunder_fp8shard import ShardIntermediates
+    if args.comm_stream:
+        _pass_gathers_on_their_own_stream()
 
     if args.device == "cpu":
         bl.device = torch.device("cpu")
@@ -490,7 +531,10 @@ def run(args, flags: list[str]) -> list[dict]:
         return []
     common = {
         "kind": "paired", "simulated": bool(args.simulate), "world_size": world_size,
-        "communication": "none (simulated ranks: torch's fake process group)" if args.simulate else
+        "communication": ("none (simulated ranks: torch's fake process group)" + (
+            "; the pass's all-gathers keep NCCL's stream protocol (--comm-stream): the fake group's copies on a side "
+            "stream" if args.comm_stream else "; the fake group's all-gather copies run on the compute stream"))
+        if args.simulate else
         f"{dist.get_backend() if dist.is_initialized() else 'none'}, {world_size} ranks",
         "n_layers": int(_flag(flags, "n_layers", 0)) or None, "low_precision_mode": _flag(flags, "low_precision_mode", "none"),
         "model_name": _flag(flags, "model_name"), "flags": flags, "device": _device_name(),
@@ -543,6 +587,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default='{"without": null, "with": {}}',
                    help="JSON object: arm name -> ShardIntermediates options, or null for no pass; the first is the base")
     p.add_argument("--simulate", type=int, default=0, metavar="N", help="rank 0 of N in torch's fake process group")
+    p.add_argument("--comm-stream", action="store_true",
+                   help="with --simulate on CUDA: the pass's all-gathers run as ProcessGroupNCCL runs them, on a "
+                        "stream of their own (the fake group otherwise copies on the compute stream)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: Thunder's benchmark on the CPU (small configs; the pass's CPU cost in a whole step)")
     p.add_argument("--timed", type=int, default=100, help="timed iterations per arm (even)")
@@ -555,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="JSON path prefix: one <out>_<arm>.json per comparison")
     args = p.parse_args(own)
     json.loads(args.arms)
+    if args.comm_stream and not (args.simulate and args.device == "cuda"):
+        p.error("--comm-stream is for simulated ranks on CUDA (--simulate N): NCCL keeps its own stream")
     args.started = time.strftime("%Y-%m-%d %H:%M:%S")
     sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
     results = run(args, flags)
