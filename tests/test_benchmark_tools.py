@@ -246,6 +246,14 @@ def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
     assert other.ops.payload.__name__ == "thunder_fp8shard_rev.payload"
 
 
+@pytest.mark.parametrize("argv", [["--comm-stream"], ["--comm-stream", "--simulate", "2", "--device", "cpu"]])
+def test_paired_refuses_a_comm_stream_without_simulated_ranks_on_cuda(argv, capsys):
+    """--comm-stream patches the pass's gathers over the fake group; NCCL keeps its own stream, the CPU has none."""
+    with pytest.raises(SystemExit):
+        paired.main(argv)
+    assert "--comm-stream is for simulated ranks on CUDA" in capsys.readouterr().err
+
+
 def test_every_result_file_is_in_the_readmes_index():
     """benchmarks/README.md's results index names every file under benchmarks/results/ (in its first column,
     ``{a,b}`` expanding), and names no file that is not there."""
