@@ -13,10 +13,10 @@ Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, gr
 Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives); the gathered
 buffer is the bucket's layout padded to a multiple of the world size, so no byte is ever dropped.
 
-The operators run hundreds of times a step in a CPU-bound training loop, so a call does only what depends on that
-call's tensors: take the payloads apart, cut this rank's pieces (one view each), copy them into the shard (one
-``cat``), and in backward view each member out of the gathered buffer (one ``as_strided`` each). The rest (the
-byte layouts, this rank's rank and pieces, the members' shapes, strides and offsets) is worked out on a shard op's
+The operators run tens of times a step in a training loop whose forward is CPU-bound, so a call does only what
+depends on that call's tensors: take the payloads apart, cut this rank's pieces (one view each), copy them into the
+shard (one ``cat``), and in backward view each member out of the gathered buffer (one ``as_strided`` each). The rest
+(the byte layouts, this rank's rank and pieces, the members' shapes, strides and offsets) is worked out on a shard op's
 first call, from the buffers the payload kinds hand over, and kept in its spec as a :class:`_Program`; every call
 checks that the buffers still have the kinds, shapes and dtypes it was worked out for (a change is worked out again;
 bytes other than planned raise). While a profiler runs, each operator runs under a ``record_function`` range named
