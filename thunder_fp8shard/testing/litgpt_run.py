@@ -1,9 +1,9 @@
-"""One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 with TransformerEngine's
-executor, with or without the pass: the GPU exactness test (``tests/test_te_gpu.py``) and the plan-accuracy tool
-(``benchmarks/plan_accuracy.py``) train it. Not part of the pass.
+"""One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 (or ZeRO-2, or DDP:
+``RunConfig.setup``) with TransformerEngine's executor, with or without the pass: the GPU exactness tests
+(``tests/test_te_gpu.py``) and the plan-accuracy tool (``benchmarks/plan_accuracy.py``) train it. Not part of the pass.
 
 :func:`setup_rank` builds the model from a litgpt config name (shrunk by :class:`RunConfig`'s overrides), jits it
-with ``executors=[transformer_engine_ex, ...]``, ``FSDPTransform(ZeRO-3)`` and ``ShardIntermediates`` (with
+with ``executors=[transformer_engine_ex, ...]``, ``FSDPTransform(ZeRO-3)`` (or the setup's) and ``ShardIntermediates`` (with
 ``shard``), and makes its AdamW optimizer. :func:`run_rank` runs ``steps`` steps on random tokens (different per
 rank) and returns, per rank: peak memory by phase (``torch.cuda.max_memory_allocated``), saved-for-backward bytes
 (measured with ``saved_tensors_hooks``, :mod:`thunder_fp8shard.testing.measure`), step times, losses (and with
@@ -45,6 +45,7 @@ class RunConfig:
     return_grads: bool = False  # return every step's local gradient shards (for bitwise comparisons)
     seed: int = 0
     extra: dict = field(default_factory=dict)  # further ShardIntermediates options (bucket_bytes, comm, ...)
+    setup: str = "zero3"  # "zero3", "zero2": FSDPTransform with that strategy; "ddp": thunder.distributed.ddp
 
 
 def litgpt_config(cfg: RunConfig):
@@ -99,7 +100,8 @@ class RankSetup:
 
 def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
     """Builds the model (litgpt from ``cfg.model_name``; ``cfg.model == "toy"``: ``toy_models.FakeFP8Llama``, for the
-    CPU), jits it with Thunder FSDP ZeRO-3 (and TE, and the pass), and makes its AdamW optimizer."""
+    CPU), jits it with Thunder FSDP ZeRO-3 or ZeRO-2 (``cfg.setup``; "ddp": ``thunder.distributed.ddp`` over the jitted
+    model) and TE and the pass, and makes its AdamW optimizer."""
     import thunder
     from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
@@ -136,13 +138,20 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
         from thunder.executors.transformer_engineex import TransformerEngineTransform
 
         transforms.append(TransformerEngineTransform())
-    transforms.append(FSDPTransform(device=device, sharding_strategy=FSDPType.ZERO3))
+    if cfg.setup in ("zero3", "zero2"):
+        transforms.append(FSDPTransform(device=device, sharding_strategy=FSDPType[cfg.setup.upper()]))
+    elif cfg.setup != "ddp":
+        raise ValueError(f"setup must be 'zero3', 'zero2' or 'ddp', got {cfg.setup!r}")
     sh = None
     if cfg.shard:
         options = {"optimizer_states": 2, **cfg.extra}  # the optimizer below is AdamW: two states a parameter
         sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify, **options)
         transforms.append(sh)
     jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
+    if cfg.setup == "ddp":
+        from thunder.distributed import ddp
+
+        jm = ddp(jm)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)
     return RankSetup(jm, opt, sh, device, vocab, n_params)
 

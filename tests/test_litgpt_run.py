@@ -1,0 +1,36 @@
+"""The GPU tests' training run (``thunder_fp8shard.testing.litgpt_run``) under each Thunder setup it builds, on the
+CPU: the fake-FP8 toy Llama without TransformerEngine, two gloo ranks, different data per rank. Losses and every
+gradient of three AdamW steps are bitwise equal with and without the pass and non-zero, and the pass shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thunder_fp8shard.testing import litgpt_run
+from thunder_fp8shard.testing.harness import run_on_ranks
+
+TOY = dict(model="toy", n_layer=2, n_embd=64, n_head=4, intermediate_size=96, vocab_size=128, seq_len=16,
+           micro_batch_size=2, steps=3, te=False, device="cpu", return_grads=True, extra={"min_bytes": 0})
+
+
+@pytest.mark.parametrize("setup", ["zero2", "ddp"])
+def test_litgpt_run_is_exact_under_each_setup_it_builds(setup):
+    without, with_ = (run_on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**TOY, setup=setup, shard=s),
+                                   backend="gloo") for s in (False, True))
+    for a, b in zip(without, with_):
+        assert a["losses_hex"] == b["losses_hex"]
+        for ga, gb in zip(a["grads"], b["grads"]):
+            assert ga.keys() == gb.keys() and ga
+            assert all(torch.equal(ga[n], gb[n]) for n in ga)
+            assert all(float(g.abs().sum()) > 0 for g in gb.values())
+        assert b["saved_bytes_measured"] < a["saved_bytes_measured"]
+    assert without[0]["losses_hex"] != without[1]["losses_hex"]  # the ranks saw different data
+    expected = {"zero2": "Thunder FSDP (ZeRO-2)", "ddp": "Thunder DDP"}[setup]
+    assert with_[0]["plan"]["text"].startswith(f"ShardIntermediates plan: {expected}, world size 2")
+    assert any(d["sharded"] for d in with_[0]["plan"]["decisions"])
+
+
+def test_litgpt_run_refuses_an_unknown_setup():
+    with pytest.raises(ValueError, match="setup must be 'zero3', 'zero2' or 'ddp'"):
+        litgpt_run.setup_rank(0, litgpt_run.RunConfig(**TOY, setup="fsdp2"))
