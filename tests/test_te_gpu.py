@@ -138,17 +138,7 @@ def _assert_weight_copies_sharded(plan):
 
 
 def _assert_bitwise_equal_and_nonzero(without, with_):
-    for a, b in zip(without, with_):
-        r = a["rank"]
-        assert a["losses_hex"] == b["losses_hex"], f"rank {r}: losses differ {a['losses']} vs {b['losses']}"
-        assert len(a["grads"]) == len(b["grads"]) == SMALL["steps"]
-        for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
-            assert ga.keys() == gb.keys() and ga
-            for n in ga:
-                assert torch.equal(ga[n], gb[n]), f"rank {r} step {step}: gradient of {n} differs"
-            zero = [n for n in ga if float(ga[n].abs().sum()) == 0]
-            assert not zero, f"rank {r} step {step}: zero gradients {zero}: the comparison would be void"
-    assert without[0]["losses_hex"] != without[1]["losses_hex"], "the ranks must see different data"
+    bench.assert_bitwise_equal_and_nonzero(without, with_, SMALL["steps"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL, one GPU a rank)")

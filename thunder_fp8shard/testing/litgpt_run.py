@@ -218,6 +218,23 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     return out
 
 
+def assert_bitwise_equal_and_nonzero(without: list[dict], with_: list[dict], steps: int) -> None:
+    """Two runs' ranks (``run_rank`` results with ``return_grads``, without and with the pass): every loss and every
+    gradient of every step bitwise equal, every gradient non-zero (a zero one would make the comparison void), and
+    the ranks' data different."""
+    for a, b in zip(without, with_):
+        r = a["rank"]
+        assert a["losses_hex"] == b["losses_hex"], f"rank {r}: losses differ {a['losses']} vs {b['losses']}"
+        assert len(a["grads"]) == len(b["grads"]) == steps
+        for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+            assert ga.keys() == gb.keys() and ga
+            for n in ga:
+                assert torch.equal(ga[n], gb[n]), f"rank {r} step {step}: gradient of {n} differs"
+            zero = [n for n in ga if float(ga[n].abs().sum()) == 0]
+            assert not zero, f"rank {r} step {step}: zero gradients {zero}: the comparison would be void"
+    assert without[0]["losses_hex"] != without[1]["losses_hex"], "the ranks must see different data"
+
+
 def device_info() -> dict:
     info = {"torch": torch.__version__}
     try:
