@@ -21,7 +21,10 @@ NCCL, one GPU a rank (every rank runs the same schedule; rank 0 writes).
 
 An arm's options may name a git ``"revision"``: that arm runs that revision's pass (its package extracted with
 ``git archive`` and imported under another name beside this checkout's), so two versions of the pass are compared in
-one process. ``--device cpu`` runs Thunder's benchmark on the CPU (small litgpt configs, e.g.
+one process. ``"budget_below_base_bytes": B`` (with ``"policy": "budget"``, on CUDA) sets the arm's ``budget_bytes``
+to B under the device peak its step would reach without the pass in this process (:func:`relative_budget`: the
+base arm's step peak on top of what is resident when the arm is built); its JSON says whether every timed
+iteration's peak met it. ``--device cpu`` runs Thunder's benchmark on the CPU (small litgpt configs, e.g.
 ``--model_name=pythia-14m --n_layers=2 --block_size=64 --compile=thunder``; with ``--simulate``): the pass's CPU
 cost in a whole step, on any machine.
 
@@ -140,9 +143,25 @@ class Arm:
     shard: object = None  # the ShardIntermediates instance (with the pass)
     resident_bytes: int = 0  # allocated bytes this arm added while built and warmed up (parameters, optimizer state)
     alone_peak_bytes: int | None = None  # the process's peak while only the arms built so far existed
+    before_bytes: int = 0  # allocated bytes when this arm's build began (the arms built before it)
+    budget_below_base: int | None = None  # policy "budget": this many bytes under the base's peak (relative_budget)
     build_s: float = 0.0
     first_iteration_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+
+ARM_KEYS = ("revision", "budget_below_base_bytes")  # an arm's keys that are the benchmark's, not the pass's
+
+
+def relative_budget(resident_now: int, base_peak: int, base_before: int, below: int) -> int:
+    """``budget_bytes`` for an arm with ``"budget_below_base_bytes": below``: where the base arm's step peaked
+    (``base_peak``, over the ``base_before`` bytes resident when it was built) on top of what is resident now
+    (``resident_now``: every arm built so far), less ``below``. That is the device bytes this arm's step would peak
+    at without the pass, in this process, minus ``below``: what ``max_memory_allocated`` must stay within."""
+    if below < 0 or base_peak < base_before:
+        raise ValueError(f"budget_below_base_bytes must be >= 0 and the base built first (got {below}, "
+                         f"base peak {base_peak} over {base_before})")
+    return resident_now + base_peak - base_before - below
 
 
 OTHER = "thunder_fp8shard_rev"
@@ -434,6 +453,7 @@ def plan_summary(shard) -> dict | None:
         "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
         "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": plan.peak_bytes_after,
         "peak_step_before": _peak_where(plan.timeline_before), "peak_step_after": _peak_where(plan.timeline_after),
+        "gathered_bytes_per_step": plan.gathered_bytes_per_step,
     }
 
 
@@ -479,8 +499,14 @@ def run(args, flags: list[str]) -> list[dict]:
     torch.set_float32_matmul_precision("high")  # as the benchmark's __main__
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    arms = [Arm(name, None if opts is None else {k: v for k, v in opts.items() if k != "revision"},
-                None if opts is None else opts.get("revision")) for name, opts in json.loads(args.arms).items()]
+    dev = bl.device
+    cuda = dev.type == "cuda"
+    arms = [Arm(name, None if opts is None else {k: v for k, v in opts.items() if k not in ARM_KEYS},
+                None if opts is None else opts.get("revision"),
+                budget_below_base=None if opts is None else opts.get("budget_below_base_bytes"))
+            for name, opts in json.loads(args.arms).items()]
+    if any(a.budget_below_base is not None for a in arms) and not cuda:
+        raise SystemExit("--arms: budget_below_base_bytes needs CUDA (the budget is in device bytes)")
     if len(arms) < 2 or arms[0].options is not None:
         raise SystemExit("--arms: the first arm is the base and has no pass (null), and at least one more arm")
     passes = {None: ShardIntermediates}
@@ -493,13 +519,15 @@ def run(args, flags: list[str]) -> list[dict]:
     gc_log = _GcLog()
     gc.callbacks.append(gc_log)
     batches = None
-    dev = bl.device
-    cuda = dev.type == "cuda"
     # build the arms without the pass first (see the module docstring), each compiled and warmed up alone
     for arm in sorted(arms, key=lambda a: a.options is not None):
-        before = torch.cuda.memory_allocated(dev) if cuda else 0
+        before = arm.before_bytes = torch.cuda.memory_allocated(dev) if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
+        if arm.budget_below_base is not None:
+            base = arms[0]
+            arm.options = {**arm.options, "budget_bytes": relative_budget(
+                before, base.alone_peak_bytes, base.before_bytes, arm.budget_below_base)}
         build(bl, arm, kwargs, passes)
         batches = batches or _batches(arm.bench, rank)
         t = time.perf_counter()
@@ -563,6 +591,11 @@ def run(args, flags: list[str]) -> list[dict]:
             res["measured_peak_GB"] = {
                 "base": float(np.median([r["peak_bytes"] for r in records if r["arm"] == 0])) / 1e9,
                 "arm": float(np.median([r["peak_bytes"] for r in records if r["arm"] == k])) / 1e9}
+            res["gathered_bytes_per_step"] = plan.get("gathered_bytes_per_step")
+            if arm.budget_below_base is not None:
+                worst = max(r["peak_bytes"] for r in records if r["arm"] == k)
+                res["budget"] = {"below_base_bytes": arm.budget_below_base, "budget_bytes": arm.options["budget_bytes"],
+                                 "largest_iteration_peak_bytes": worst, "met": worst <= arm.options["budget_bytes"]}
         results.append(res)
     return results
 

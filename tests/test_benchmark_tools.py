@@ -254,6 +254,14 @@ def test_paired_refuses_a_comm_stream_without_simulated_ranks_on_cuda(argv, caps
     assert "--comm-stream is for simulated ranks on CUDA" in capsys.readouterr().err
 
 
+def test_a_relative_budget_is_the_base_step_peak_over_what_is_resident_now_less_the_margin():
+    # the base peaked at 50 over the 4 resident when it was built; 30 are resident now: this arm's step would peak
+    # at 76 without the pass, so 3 under it is 73
+    assert paired.relative_budget(30, 50, 4, 3) == 73
+    with pytest.raises(ValueError, match="budget_below_base_bytes must be >= 0"):
+        paired.relative_budget(30, 50, 4, -1)
+
+
 def test_every_result_file_is_in_the_readmes_index():
     """benchmarks/README.md's results index names every file under benchmarks/results/ (in its first column,
     ``{a,b}`` expanding), and names no file that is not there."""
