@@ -99,6 +99,15 @@ def test_plan_renders_a_table_with_every_candidate_and_its_reason():
         plan.decision("nope")
 
 
+def test_the_plan_counts_the_operator_calls_a_step_when_the_rewrite_gave_them():
+    plan = ShardPlan(2, "slice", "all", 1, [], 0, 0)
+    assert "operator calls" not in str(plan)  # nothing rewritten
+    plan.operator_calls = {"fp8shard_shard": 24, "fp8shard_gather_start": 1, "fp8shard_gather_next": 24,
+                           "fp8shard_gather_wait": 1}
+    assert ("run-time operator calls per step: 50 (24 fp8shard_shard, 1 fp8shard_gather_start, 24 fp8shard_gather_next, "
+            "1 fp8shard_gather_wait)") in str(plan).splitlines()
+
+
 @pytest.mark.parametrize("kind, size, words", [
     ("own", 0, "on the setup's process group;"),
     ("dedicated", 0, "on a dedicated process group over the setup's ranks;"),

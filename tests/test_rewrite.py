@@ -8,7 +8,7 @@ from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard import ops
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
-from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, operator_calls, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved
 
 WORLD = 2
@@ -121,6 +121,11 @@ def test_backward_waits_just_before_the_first_consumer_and_gathers_prefetch_ahea
     assert [b.sym for b in bsyms if b.sym in (ops.gather_start, *waiting)] == (
         [ops.gather_start, ops.gather_wait] * 3 if prefetch == 0
         else [ops.gather_start] * prefetch + [ops.gather_next] * (3 - prefetch) + [ops.gather_wait] * prefetch)
+    # what the plan reports: the calls a step, counted in the traces (three shard ops: one tensor a bucket)
+    fused = 0 if prefetch == 0 else 3 - prefetch
+    assert operator_calls(new_fw.trace, new_bw) == {
+        "fp8shard_shard": 3, "fp8shard_gather_start": 3 - fused, "fp8shard_gather_next": fused,
+        "fp8shard_gather_wait": 3 - fused}
     assert sum(b.sym is clear_mutable_collection for b in bsyms) >= 3  # saved lists and cotangents are cleared
     _assert_no_use_after_del(new_bw)
     assert new_bw.get_provenance().pss == "bwd test"

@@ -122,6 +122,8 @@ class ShardPlan:
     # the shard group: "own" (the setup's), "dedicated" (a second group over its ranks), "partition" (made by the
     # pass over runs of k consecutive ranks: shard_group_size; see thunder_fp8shard.shard_groups)
     shard_group_kind: str = "own"
+    # the run-time operator calls the rewritten traces make a step, by operator name (counted in the traces)
+    operator_calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def k(self) -> int:
@@ -184,6 +186,10 @@ class ShardPlan:
             f"{fmt_bytes(self.gathered_bytes_per_step)}" + (" (and as much reduce-scattered in forward)"
                                                             if self.method == "reduce_scatter" and self.buckets else ""),
         ]
+        if self.operator_calls:
+            calls = self.operator_calls
+            lines.append(f"run-time operator calls per step: {sum(calls.values())} ("
+                         + ", ".join(f"{n} {name}" for name, n in calls.items() if n) + ")")
         if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
             lines += self._terms_table()
             lines += self._agreed_table()

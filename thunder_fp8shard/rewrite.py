@@ -164,6 +164,12 @@ def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
     return out
 
 
+def operator_calls(fw: TraceCtx, bw: TraceCtx) -> dict[str, int]:
+    """How many times a step the rewritten traces call each run-time operator of the pass, by operator name."""
+    mine = (ops.shard, ops.gather_start, ops.gather_next, ops.gather_wait)
+    return {sym.name: sum(b.sym is sym for t in (fw, bw) for b in t.bound_symbols) for sym in mine}
+
+
 def _last_forward_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:
     """Index of the last bound symbol (the return excluded) that reads or produces each name."""
     last: dict[str, int] = {}

@@ -34,7 +34,7 @@ from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import choose, soundness
 from thunder_fp8shard.replication import analyze_replication
-from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, rewrite_backward, rewrite_forward
+from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, operator_calls, rewrite_backward, rewrite_forward
 from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, numel, tensor_nbytes
 from thunder_fp8shard.shard_groups import ShardGroup, ShardGroups
 
@@ -189,6 +189,7 @@ class ShardIntermediates(Transform):
                 bw, new_fw, group=group, prefetch=o.prefetch,
                 provenance=f"ShardIntermediates: {n_buckets} bucket(s) all-gathered (prefetch {o.prefetch})",
             )
+            plan.operator_calls = operator_calls(new_fw.trace, new_bw)
         plan.pass_seconds = pending.seconds + time.perf_counter() - start
         self._record(plan)
         return new_bw
