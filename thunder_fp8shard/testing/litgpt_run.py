@@ -1,5 +1,5 @@
-"""One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 (or ZeRO-2, or DDP:
-``RunConfig.setup``) with TransformerEngine's executor, with or without the pass: the GPU exactness tests
+"""One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 (or ZeRO-2, DDP, or
+FSDP2 under ThunderFX: ``RunConfig.setup``) with TransformerEngine's executor, with or without the pass: the GPU exactness tests
 (``tests/test_te_gpu.py``) and the plan-accuracy tool (``benchmarks/plan_accuracy.py``) train it. Not part of the pass.
 
 :func:`setup_rank` builds the model from a litgpt config name (shrunk by :class:`RunConfig`'s overrides), jits it
@@ -45,7 +45,8 @@ class RunConfig:
     return_grads: bool = False  # return every step's local gradient shards (for bitwise comparisons)
     seed: int = 0
     extra: dict = field(default_factory=dict)  # further ShardIntermediates options (bucket_bytes, comm, ...)
-    setup: str = "zero3"  # "zero3", "zero2": FSDPTransform with that strategy; "ddp": thunder.distributed.ddp
+    setup: str = "zero3"  # "zero3", "zero2": FSDPTransform with that strategy; "ddp": thunder.distributed.ddp;
+    # "fsdp2": PyTorch FSDP2 (fully_shard each block and the model) compiled by ThunderFX
 
 
 def litgpt_config(cfg: RunConfig):
@@ -140,20 +141,41 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
         transforms.append(TransformerEngineTransform())
     if cfg.setup in ("zero3", "zero2"):
         transforms.append(FSDPTransform(device=device, sharding_strategy=FSDPType[cfg.setup.upper()]))
-    elif cfg.setup != "ddp":
-        raise ValueError(f"setup must be 'zero3', 'zero2' or 'ddp', got {cfg.setup!r}")
+    elif cfg.setup not in ("ddp", "fsdp2"):
+        raise ValueError(f"setup must be 'zero3', 'zero2', 'ddp' or 'fsdp2', got {cfg.setup!r}")
     sh = None
     if cfg.shard:
         options = {"optimizer_states": 2, **cfg.extra}  # the optimizer below is AdamW: two states a parameter
         sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify, **options)
         transforms.append(sh)
-    jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
+    if cfg.setup == "fsdp2":
+        jm = _fsdp2_under_thunderfx(model, cfg, device, transforms)
+    else:
+        jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
     if cfg.setup == "ddp":
         from thunder.distributed import ddp
 
         jm = ddp(jm)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)
     return RankSetup(jm, opt, sh, device, vocab, n_params)
+
+
+def _fsdp2_under_thunderfx(model, cfg: RunConfig, device, transforms: list):
+    """PyTorch FSDP2 as Thunder's benchmark applies it (``fully_shard`` on every block, then on the model) compiled
+    by ThunderFX with the same executors and transforms (TE's transform first, the pass last) as ``thunder.jit``."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from thunder.dynamo import ThunderCompiler
+
+    torch._dynamo.reset()  # the other run of this process compiled the same code objects
+    torch._dynamo.config.cache_size_limit = 64  # every block and grad mode is a recompile (as Thunder's benchmark)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in (model.blocks if cfg.model == "toy" else model.transformer.h):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return torch.compile(model, backend=ThunderCompiler(executors=_executors(cfg), transforms=transforms))
 
 
 def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
@@ -180,7 +202,8 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         loss.backward()
         _phase(phase, "backward", device)
         if cfg.return_grads:
-            grads.append({n: p.grad.detach().cpu().clone() for n, p in jm.named_parameters() if p.grad is not None})
+            grads.append({n: _local(p.grad).detach().cpu().clone() for n, p in jm.named_parameters()
+                          if p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)
         _phase(phase, "optimizer", device)
@@ -202,6 +225,10 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     if cfg.return_grads:
         out["grads"] = grads
     if sh is not None and sh.plans:
+        # under FSDP2 one plan a subgraph (a block): the totals are over them all
+        out["plans"] = len(sh.plans)
+        out["sharded_total"] = sum(len(p.sharded) for p in sh.plans)
+        out["predicted_saving_total"] = sum(p.saved_bytes_before - p.saved_bytes_after for p in sh.plans)
         plan = sh.plans[-1]
         out["plan"] = {
             "text": str(plan), "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
@@ -233,6 +260,11 @@ def assert_bitwise_equal_and_nonzero(without: list[dict], with_: list[dict], ste
             zero = [n for n in ga if float(ga[n].abs().sum()) == 0]
             assert not zero, f"rank {r} step {step}: zero gradients {zero}: the comparison would be void"
     assert without[0]["losses_hex"] != without[1]["losses_hex"], "the ranks must see different data"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: FSDP2's are DTensors (their local shard), the others plain tensors."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def device_info() -> dict:
