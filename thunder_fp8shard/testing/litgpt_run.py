@@ -1,10 +1,11 @@
 """One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 (or ZeRO-2, DDP, or
-FSDP2 under ThunderFX: ``RunConfig.setup``) with TransformerEngine's executor, with or without the pass: the GPU exactness tests
-(``tests/test_te_gpu.py``) and the plan-accuracy tool (``benchmarks/plan_accuracy.py``) train it. Not part of the pass.
+FSDP2 under ThunderFX: ``RunConfig.setup``) with TransformerEngine's executor, with or without the pass: the GPU
+exactness tests (``tests/test_te_gpu.py``) and the plan-accuracy tool (``benchmarks/plan_accuracy.py``) train it.
+Not part of the pass.
 
 :func:`setup_rank` builds the model from a litgpt config name (shrunk by :class:`RunConfig`'s overrides), jits it
-with ``executors=[transformer_engine_ex, ...]``, ``FSDPTransform(ZeRO-3)`` (or the setup's) and ``ShardIntermediates`` (with
-``shard``), and makes its AdamW optimizer. :func:`run_rank` runs ``steps`` steps on random tokens (different per
+with ``executors=[transformer_engine_ex, ...]``, ``FSDPTransform(ZeRO-3)`` (or the setup's) and
+``ShardIntermediates`` (with ``shard``), and makes its AdamW optimizer. :func:`run_rank` runs ``steps`` steps on random tokens (different per
 rank) and returns, per rank: peak memory by phase (``torch.cuda.max_memory_allocated``), saved-for-backward bytes
 (measured with ``saved_tensors_hooks``, :mod:`thunder_fp8shard.testing.measure`), step times, losses (and with
 ``return_grads`` every step's gradient shards), and the plan. Ranks: under :func:`~thunder_fp8shard.testing.harness
@@ -102,7 +103,7 @@ class RankSetup:
 def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
     """Builds the model (litgpt from ``cfg.model_name``; ``cfg.model == "toy"``: ``toy_models.FakeFP8Llama``, for the
     CPU), jits it with Thunder FSDP ZeRO-3 or ZeRO-2 (``cfg.setup``; "ddp": ``thunder.distributed.ddp`` over the jitted
-    model) and TE and the pass, and makes its AdamW optimizer."""
+    model; "fsdp2": FSDP2 compiled by ThunderFX) and TE and the pass, and makes its AdamW optimizer."""
     import thunder
     from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
