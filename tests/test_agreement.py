@@ -19,8 +19,8 @@ import textwrap
 import pytest
 import torch
 
-from thunder_fp8shard.agreement import ABSENT, collectives, digest, encode, mismatch_message, settle
-from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, MODELLED, NOT_COUNTED, Bucket, Decision, MemoryTerm, ShardPlan
+from thunder_fp8shard.agreement import ABSENT, MAX_TERMS, collectives, digest, encode, mismatch_message, settle
+from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, Bucket, Decision, MemoryTerm, ShardPlan
 from thunder_fp8shard.testing.harness import run_on_ranks
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train, train_with_and_without
 
@@ -74,6 +74,19 @@ def test_agree_keeps_a_ranks_own_values_when_every_rank_has_them():
     (one,) = _agree_in_process([(terms, None)])
     assert one.terms == tuple(terms) and one.budget_bytes is None
     assert encode(terms, None)[-1] == ABSENT
+
+
+def test_a_workspace_one_rank_could_not_force_leaves_every_ranks_slots_the_same_length():
+    """The unknown term of a workspace a rank could not force (a CUDA out-of-memory while forcing it, say) exists on
+    that rank alone: the slots still have one length on every rank, and every rank plans with the same bytes."""
+    unknown = MemoryTerm("TransformerEngine GEMM workspace", UNKNOWN, "could not be forced at compilation (OOM)")
+    ranks = [(_terms(0, 100, 8), None), ([*_terms(0, 100, 16), unknown], None)]
+    assert len(encode(*ranks[0])) == len(encode(*ranks[1])) == 3 * MAX_TERMS + 1
+    agreed = _agree_in_process(ranks)
+    assert [t.spans for t in agreed[0].terms] == [t.spans for t in agreed[1].terms[:-1]]
+    assert agreed[1].terms[-1] == unknown and len(agreed[0].terms) == 4
+    with pytest.raises(ValueError, match="more than the 16"):
+        encode([unknown] * (MAX_TERMS + 1), None)
 
 
 def _decision(name, nbytes):
@@ -142,11 +155,13 @@ def test_agree_and_plan_check_under_the_fake_process_group_keep_this_ranks_own()
 
 def _planted_measure(rank):
     """What a rank's device would say while compiling: rank r holds r x 200 MB and a cuBLAS workspace of 1 << (10 + r)
-    bytes (on the CPU nothing is measured, so the test plants it where the transform reads it)."""
+    bytes, and every rank but the first could not force a TE GEMM workspace (one more memory term there: unknown);
+    on the CPU nothing is measured, so the test plants it where the transform reads it."""
     from thunder_fp8shard.device_memory import DeviceMemory
 
     def measure(trace, *, transformer_engine):
-        return DeviceMemory("cpu", rank * MB200, (("cuBLAS", 1 << (10 + rank)),))
+        failed = (("TransformerEngine GEMM", "planted: CUDA out of memory"),) if rank else ()
+        return DeviceMemory("cpu", rank * MB200, (("cuBLAS", 1 << (10 + rank)),), failed)
 
     return measure
 
@@ -258,6 +273,9 @@ def test_agree_rank_dependent_measured_memory(two_ranks):
     assert [_agreed(p, "persistent workspaces") for p in plans] == [(2048, 1024), (2048, 2048)]
     assert [t.source for t in plans[0].terms if t.name in ("resident at the call", "persistent workspaces")] == [AGREED] * 2
     assert [t.source for t in plans[1].terms if t.name in ("resident at the call", "persistent workspaces")] == [MEASURED] * 2
+    # the workspace rank 1 could not force is its own unknown term; the ranks still agreed and planned alike
+    unknown = "TransformerEngine GEMM workspace"
+    assert [unknown in [t.name for t in p.left_out] for p in plans] == [False, True]
 
 
 def test_agree_rank_dependent_terms_under_policy_peak(two_ranks):

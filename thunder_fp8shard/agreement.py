@@ -37,6 +37,7 @@ from thunder_fp8shard.grouping import shard_op_nbytes
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, AgreedValue, MemoryTerm, ShardPlan
 
 ABSENT = -(1 << 62)  # a slot this rank does not fill: every MAX takes any other rank's value over it
+MAX_TERMS = 16  # every rank sends this many terms' slots, padded (see encode)
 SHOWN = 3  # differing fields named per rank in the mismatch error
 
 
@@ -69,16 +70,22 @@ def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group) -> Agree
 
 def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
     """This rank's slots for the all-reduce MAX: for each term its bytes, its first step negated and its last step
-    (``ABSENT`` for a term without spans), then the budget negated (MAX of the negated values is the smallest).
+    (``0, ABSENT, ABSENT`` for a term without spans), padded with such empty slots to :data:`MAX_TERMS` terms, then
+    the budget negated (MAX of the negated values is the smallest).
 
-    Its length is ``3 * len(terms) + 1`` on every rank: :func:`thunder_fp8shard.resident.step_terms` gives the same
-    terms in the same order whatever was measured or given."""
+    Its length is ``3 * MAX_TERMS + 1`` on every rank. :func:`thunder_fp8shard.resident.step_terms` gives the same
+    terms in the same order whatever was measured or given, but for the workspaces a rank could not force: one
+    unknown term each, last, and empty, so that another rank's padding stands where this rank has one, and the
+    all-reduce is matched whatever each rank's device did."""
+    if len(terms) > MAX_TERMS:
+        raise ValueError(f"ShardIntermediates: {len(terms)} memory terms, more than the {MAX_TERMS} the agreement sends")
     slots = []
     for t in terms:
         if t.spans:
             slots += [t.nbytes, -min(s for s, _, _ in t.spans), max(e for _, e, _ in t.spans)]
         else:
             slots += [0, ABSENT, ABSENT]
+    slots += [0, ABSENT, ABSENT] * (MAX_TERMS - len(terms))
     return [*slots, -budget_bytes if budget_bytes is not None else ABSENT]
 
 
@@ -88,7 +95,7 @@ def settle(terms: Sequence[MemoryTerm], budget_bytes: int | None, reduced: Seque
     where that is not this rank's own, its source becomes ``AGREED``. A term of several spans is modelled from the
     program's steps alone, the same on every rank, and is kept (:func:`check` would catch it otherwise). The plan
     lists the terms measured or given on this rank, those another rank raised, and the budget."""
-    if len(reduced) != 3 * len(terms) + 1:
+    if len(reduced) != 3 * MAX_TERMS + 1 or len(terms) > MAX_TERMS:
         raise ValueError(f"ShardIntermediates: {len(reduced)} agreed slots for {len(terms)} memory terms")
     out, values = [], []
     for k, t in enumerate(terms):

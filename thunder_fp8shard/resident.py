@@ -88,8 +88,10 @@ def step_terms(
         loss(outputs, options.loss_bytes, bw_start),
         optimizer_state(grads, options.optimizer_states, last),
         persistent_workspaces(device, last),
-        *workspaces_not_forced(device),
         kernel_workspaces(bw, bw_start),
+        # last: the only terms whose number can differ between ranks (a workspace one rank could not force), and
+        # empty (unknown size, no steps): the agreement pads every rank's list to one length after them
+        *workspaces_not_forced(device),
     ]
 
 
