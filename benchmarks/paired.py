@@ -453,7 +453,9 @@ def plan_summary(shard) -> dict | None:
         "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
         "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": plan.peak_bytes_after,
         "peak_step_before": _peak_where(plan.timeline_before), "peak_step_after": _peak_where(plan.timeline_after),
-        "gathered_bytes_per_step": plan.gathered_bytes_per_step,
+        # getattr: a "revision" arm's plan may predate these
+        "gathered_bytes_per_step": getattr(plan, "gathered_bytes_per_step", None),
+        "saving_fraction": getattr(plan, "saving_fraction", (plan.world_size - 1) / plan.world_size),
     }
 
 
@@ -583,8 +585,7 @@ def run(args, flags: list[str]) -> list[dict]:
                    **compare(records, k))
         plan = plan_summary(arm.shard)
         if plan:
-            n = plan["world_size"]
-            ideal = (n - 1) / n * plan["sharded_bytes"] / 1e9
+            ideal = plan["saving_fraction"] * plan["sharded_bytes"] / 1e9  # (k-1)/k: the shard group's k
             res["ideal_reduction_GB"] = ideal
             res["reduction_share_of_ideal"] = res["memory_reduction_GB"] / ideal if ideal else None
             res["predicted_peak_GB"] = {"before": plan["peak_bytes_before"] / 1e9, "after": plan["peak_bytes_after"] / 1e9}
@@ -637,6 +638,9 @@ def main(argv: list[str] | None = None) -> None:
     json.loads(args.arms)
     if args.comm_stream and not (args.simulate and args.device == "cuda"):
         p.error("--comm-stream is for simulated ranks on CUDA (--simulate N): NCCL keeps its own stream")
+    if args.comm_stream and any("revision" in (o or {}) for o in json.loads(args.arms).values()):
+        p.error("--comm-stream patches this checkout's operators only: a \"revision\" arm would keep its gathers on "
+                "the compute stream")
     args.started = time.strftime("%Y-%m-%d %H:%M:%S")
     sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
     results = run(args, flags)

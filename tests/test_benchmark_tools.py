@@ -246,12 +246,18 @@ def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
     assert other.ops.payload.__name__ == "thunder_fp8shard_rev.payload"
 
 
-@pytest.mark.parametrize("argv", [["--comm-stream"], ["--comm-stream", "--simulate", "2", "--device", "cpu"]])
-def test_paired_refuses_a_comm_stream_without_simulated_ranks_on_cuda(argv, capsys):
-    """--comm-stream patches the pass's gathers over the fake group; NCCL keeps its own stream, the CPU has none."""
+@pytest.mark.parametrize("argv, error", [
+    (["--comm-stream"], "--comm-stream is for simulated ranks on CUDA"),
+    (["--comm-stream", "--simulate", "2", "--device", "cpu"], "--comm-stream is for simulated ranks on CUDA"),
+    (["--comm-stream", "--simulate", "2", "--arms", '{"without": null, "old": {"revision": "HEAD"}}'],
+     "patches this checkout's operators only"),
+])
+def test_paired_refuses_a_comm_stream_it_cannot_apply_to_every_arm(argv, error, capsys):
+    """--comm-stream patches this checkout's gathers over the fake group; NCCL keeps its own stream, the CPU has none,
+    and another revision's operators are not patched."""
     with pytest.raises(SystemExit):
         paired.main(argv)
-    assert "--comm-stream is for simulated ranks on CUDA" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
 
 
 def test_a_relative_budget_is_the_base_step_peak_over_what_is_resident_now_less_the_margin():

@@ -230,7 +230,8 @@ class ShardPlan:
             return []
         rows = [(a.name, a.rule, f"{a.value:,}", f"{a.own:,}", "" if a.value == a.own else "another rank's")
                 for a in self.agreed]
-        header = (f"agreed over {self.world_size} ranks before planning", "rule", "planned with", "this rank's own", "")
+        # over the shard group: the ranks the plan's collectives span
+        header = (f"agreed over {self.k} ranks before planning", "rule", "planned with", "this rank's own", "")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
         return [("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in [header, *rows]]
 
