@@ -105,9 +105,8 @@ def _source_name(source) -> str:
 
 @dataclass(frozen=True)
 class _Owner:
-    """The FSDP2 parameter behind an unsharded tensor, and where FSDP2 keeps it identical."""
+    """Where FSDP2 keeps an unsharded tensor identical: its parameter group's shard process group and mesh."""
 
-    param: object  # its FSDPParam
     group: object  # FSDP2's shard process group: the all-gather that made the tensor
     mesh_shape: tuple[int, ...]  # (shard,) or, under HSDP, (replicate, shard)
     mesh_ranks: tuple[int, ...]  # the mesh's global ranks, in mesh order (row-major: replicate outer, shard inner)
@@ -126,12 +125,12 @@ def unsharded_parameters() -> dict[int, _Owner]:
         group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
         if group is None:
             continue
+        info = group.mesh_info  # one owner for every parameter of the group
+        owner = _Owner(info.shard_process_group, tuple(info.mesh.mesh.shape), tuple(info.mesh.mesh.flatten().tolist()))
         for p in group.fsdp_params:
             t = getattr(p, "_unsharded_param", None)
             if t is not None and p.sharded_state == ShardedState.UNSHARDED:
-                info = group.mesh_info
-                found[id(t)] = _Owner(p, info.shard_process_group, tuple(info.mesh.mesh.shape),
-                                      tuple(info.mesh.mesh.flatten().tolist()))
+                found[id(t)] = owner
     return found
 
 
