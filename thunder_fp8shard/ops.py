@@ -379,8 +379,7 @@ def _gather_next_impl(handle: GatherHandle, restorer: Restorer, shard: torch.Ten
 def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
                  world_size: int, group) -> tuple:
     """One bucket's wait and a later bucket's start, as one call: the members of the one, the handle of the other."""
-    handle.work.wait()
-    return (*restorer.restore(handle.buffer), _gather_start(shard, offset, nbytes, world_size, group))
+    return (*_gather_wait(handle, restorer), _gather_start(shard, offset, nbytes, world_size, group))
 
 
 gather_next = executor.register_operator("fp8shard_gather_next", meta=_gather_next_meta, fn=_gather_next_impl)
