@@ -251,7 +251,7 @@ def _pass_gathers_on_their_own_stream() -> None:
         mine.record_stream(side)
         return ops.GatherHandle(StreamWork(event), out)
 
-    ops._gather_start = gather_start  # _gather_start_impl and _gather_next look it up at each call
+    ops._gather_start = gather_start  # the operators fp8shard_gather_start and _gather_next look it up at each call
 
 
 @contextlib.contextmanager

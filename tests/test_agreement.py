@@ -159,7 +159,7 @@ def _planted_measure(rank):
     on the CPU nothing is measured, so the test plants it where the transform reads it."""
     from thunder_fp8shard.device_memory import DeviceMemory
 
-    def measure(trace, *, transformer_engine):
+    def measure(trace, *, transformer_engine, cublas=True):
         failed = (("TransformerEngine GEMM", "planted: CUDA out of memory"),) if rank else ()
         return DeviceMemory("cpu", rank * MB200, (("cuBLAS", 1 << (10 + rank)),), failed)
 
@@ -170,8 +170,10 @@ def _drop_last_bucket_on_the_last_rank(rank, world_size, choose):
     """A plan that differs after agreement: the last rank leaves out its last bucket."""
 
     def perturbed(*args, **kwargs):
-        decisions, buckets, notes = choose(*args, **kwargs)
-        return decisions, buckets[:-1] if rank == world_size - 1 else buckets, notes
+        from dataclasses import replace
+
+        choice = choose(*args, **kwargs)
+        return replace(choice, buckets=choice.buckets[:-1]) if rank == world_size - 1 else choice
 
     return perturbed
 

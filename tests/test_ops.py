@@ -45,15 +45,15 @@ def _shard(group, buckets):
              for objs in buckets]
     offsets, total = packed_offsets(sizes)
     names = tuple(tuple(f"t{i}" for i in range(len(objs))) for objs in buckets)
-    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), ops.ShardSpec(group, 1, sizes, "slice", False, names))
+    shard, *restorers = ops._shard(tuple(map(tuple, buckets)), ops.ShardSpec(group, 1, sizes, "slice", False, names))
     assert shard.numel() == total
     return shard, restorers, offsets, sizes
 
 
 def _round_trip(group, objs):
     shard, (restorer,), _, _ = _shard(group, [objs])
-    handle = ops._gather_start_impl(shard, 0, shard.numel(), 1, group)
-    return restorer, ops._gather_wait_impl(handle, restorer)
+    handle = ops._gather_start(shard, 0, shard.numel(), 1, group)
+    return restorer, ops._gather_wait(handle, restorer)
 
 
 def test_members_come_back_as_aligned_views_of_one_buffer(single_rank_group):
@@ -79,7 +79,7 @@ def test_the_restorer_keeps_nothing_alive_after_the_wait(single_rank_group):
     assert alive() is None, "the restorer still references the restored object"
     assert restorer.taken
     with pytest.raises(RuntimeError, match="restored twice"):
-        ops._gather_wait_impl(ops._gather_start_impl(torch.zeros(64, dtype=torch.uint8), 0, 64, 1, single_rank_group),
+        ops._gather_wait(ops._gather_start(torch.zeros(64, dtype=torch.uint8), 0, 64, 1, single_rank_group),
                               restorer)
 
 
@@ -89,8 +89,8 @@ def test_one_shard_op_keeps_several_buckets_and_each_comes_back_from_its_offset(
     shard, restorers, offsets, sizes = _shard(single_rank_group, [[a, b], [c]])
     # a at 0, b at 256 (aligned) in the first bucket; the second bucket's shard packed right after: at 270
     assert shard.numel() == 270 + 32 and offsets == (0, 270) and sizes == [270, 32]
-    (ra, rb) = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, 270, 1, single_rank_group), restorers[0])
-    (rc,) = ops._gather_wait_impl(ops._gather_start_impl(shard, 270, 32, 1, single_rank_group), restorers[1])
+    (ra, rb) = ops._gather_wait(ops._gather_start(shard, 0, 270, 1, single_rank_group), restorers[0])
+    (rc,) = ops._gather_wait(ops._gather_start(shard, 270, 32, 1, single_rank_group), restorers[1])
     assert all(torch.equal(x, y) for x, y in zip((ra, rb, rc), expected))
 
 
@@ -98,10 +98,10 @@ def test_gather_next_waits_for_one_bucket_and_starts_the_next_in_one_call(single
     a, b, c = torch.randn(3, 5), torch.arange(7, dtype=torch.int16), torch.randn(2, 2, dtype=torch.float64)
     expected = [t.clone() for t in (a, b, c)]
     shard, restorers, offsets, sizes = _shard(single_rank_group, [[a, b], [c]])
-    first = ops._gather_start_impl(shard, offsets[0], sizes[0], 1, single_rank_group)
-    ra, rb, second = ops._gather_next_impl(first, restorers[0], shard, offsets[1], sizes[1], 1, single_rank_group)
+    first = ops._gather_start(shard, offsets[0], sizes[0], 1, single_rank_group)
+    ra, rb, second = ops._gather_next(first, restorers[0], shard, offsets[1], sizes[1], 1, single_rank_group)
     assert isinstance(second, ops.GatherHandle) and second.buffer.numel() == sizes[1] and restorers[0].taken
-    (rc,) = ops._gather_wait_impl(second, restorers[1])
+    (rc,) = ops._gather_wait(second, restorers[1])
     assert all(torch.equal(x, y) for x, y in zip((ra, rb, rc), expected))
 
 
@@ -111,21 +111,21 @@ def test_a_shard_op_works_its_layout_out_again_when_its_buffers_change_shape(sin
     spec = ops.ShardSpec(single_rank_group, 1, (60,), "slice", False, (("t0",),))
     for shape in ((3, 5), (3, 5), (5, 3), (15,)):
         t = torch.randn(shape)
-        shard, restorer = ops._shard_impl(((t,),), spec)
-        (back,) = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, 60, 1, single_rank_group), restorer)
+        shard, restorer = ops._shard(((t,),), spec)
+        (back,) = ops._gather_wait(ops._gather_start(shard, 0, 60, 1, single_rank_group), restorer)
         assert back.shape == shape and torch.equal(back, t)
 
 
 def test_a_non_contiguous_member_comes_back_contiguous_with_its_values(single_rank_group):
     t = torch.randn(5, 7).t()  # (7, 5), strides (1, 7)
     shard, (restorer,), _, _ = _shard(single_rank_group, [[t, torch.arange(3.0)]])
-    back, _ = ops._gather_wait_impl(ops._gather_start_impl(shard, 0, shard.numel(), 1, single_rank_group), restorer)
+    back, _ = ops._gather_wait(ops._gather_start(shard, 0, shard.numel(), 1, single_rank_group), restorer)
     assert back.is_contiguous() and torch.equal(back, t)
 
 
 def test_a_shard_op_refuses_payloads_of_another_size_than_planned(single_rank_group):
     with pytest.raises(RuntimeError, match="the plan said 8 B"):
-        ops._shard_impl(((torch.zeros(4),),), ops.ShardSpec(single_rank_group, 1, (8,), "slice", False, (("t0",),)))
+        ops._shard(((torch.zeros(4),),), ops.ShardSpec(single_rank_group, 1, (8,), "slice", False, (("t0",),)))
 
 
 def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[bool]:
@@ -140,10 +140,10 @@ def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[
     offsets, total = packed_offsets(sizes)
     group = dist.group.WORLD
     spec = ops.ShardSpec(group, world_size, sizes, method, False, (("a", "b"), ("c",)))
-    shard, *restorers = ops._shard_impl(tuple(map(tuple, buckets)), spec)
+    shard, *restorers = ops._shard(tuple(map(tuple, buckets)), spec)
     assert shard.numel() == total
     back = [t for off, n, r in zip(offsets, sizes, restorers)
-            for t in ops._gather_wait_impl(ops._gather_start_impl(shard, off, n, world_size, group), r)]
+            for t in ops._gather_wait(ops._gather_start(shard, off, n, world_size, group), r)]
     return [torch.equal(x, y) for x, y in zip(back, originals)]
 
 

@@ -2,7 +2,7 @@
 ThunderFX, and all-gather them in backward."""
 
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Decision, ShardPlan
-from thunder_fp8shard.transform import ShardIntermediates
+from thunder_fp8shard.plan import Compaction, Decision, ShardPlan
+from thunder_fp8shard.transform import CompactSavedViews, ShardIntermediates
 
-__all__ = ["Decision", "ShardIntermediates", "ShardOptions", "ShardPlan"]
+__all__ = ["Compaction", "CompactSavedViews", "Decision", "ShardIntermediates", "ShardOptions", "ShardPlan"]

@@ -59,13 +59,22 @@ def collective_device(group) -> torch.device:
 
 def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group) -> Agreement:
     """The terms and the budget every rank of ``group`` plans with (one all-reduce MAX of :func:`encode`'s vector;
-    see :func:`settle`). With one rank there is nothing to agree."""
-    world_size = dist.get_world_size(group)
-    if world_size < 2:
+    see :func:`settle`). With one rank, or no group (compaction alone), there is nothing to agree."""
+    if group is None or dist.get_world_size(group) < 2:
         return Agreement(tuple(terms), budget_bytes, ())
     reduced = torch.tensor(encode(terms, budget_bytes), dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)  # in place: a fake group leaves this rank's own
     return settle(terms, budget_bytes, reduced.tolist())
+
+
+def largest(value: int, group) -> int:
+    """The largest ``value`` over the ranks of ``group`` (one all-reduce MAX; ``value`` itself with one rank or no
+    group): the calibration's reading of the device peak, so that every rank decides alike."""
+    if group is None or dist.get_world_size(group) < 2:
+        return value
+    reduced = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return int(reduced.item())
 
 
 def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:

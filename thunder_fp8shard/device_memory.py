@@ -4,7 +4,9 @@
 program runs. It reads ``torch.cuda.memory_allocated`` (everything alive then: parameter shards, the batch, and at
 a later compilation the optimizer's state), then forces the workspaces of the program's kernels into existence and
 records what each one added: cuBLAS keeps one per handle and stream, and the autograd engine runs the backward on
-its own thread (its own handle), so a tiny linear layer is run forward and backward; TransformerEngine keeps one
+its own thread (its own handle), so a tiny linear layer is run forward and backward, where the program has GEMMs that
+are not TransformerEngine's (:func:`has_cublas_gemms`; forcing them otherwise would allocate 68 MB on an H200 the
+program never uses); TransformerEngine keeps one
 cuBLAS workspace per device for its GEMMs (asked for when the program has TE ops; see :func:`_te_workspace`). Both
 are allocated through PyTorch's caching allocator, so ``memory_allocated`` (and ``max_memory_allocated``) see them.
 A workspace that already existed adds 0 bytes and is in ``allocated_bytes`` instead. A workspace that could not be
@@ -51,14 +53,34 @@ def program_device(trace: TraceCtx) -> str | None:
     return None
 
 
-def measure(trace: TraceCtx, *, transformer_engine: bool) -> DeviceMemory | None:
-    """Allocated bytes and the workspaces' bytes on the device of ``trace``'s inputs (None on the CPU)."""
+# the GEMMs that run on PyTorch's cuBLAS handles (the names of Thunder's torch-level symbols, at the top level or
+# inside a fusion region); TransformerEngine's own (``te_functional_linear_*``) use its workspace instead
+CUBLAS_GEMMS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "einsum",
+                          "tensordot", "_scaled_mm", "scaled_mm"})
+
+
+def has_cublas_gemms(trace: TraceCtx) -> bool:
+    """Whether ``trace`` (the forward: its backward's GEMMs are the gradients of these) has a GEMM that is not
+    TransformerEngine's, at the top level or inside a fusion region."""
+    def gemm(bsym) -> bool:
+        name = bsym.sym.name
+        if name in CUBLAS_GEMMS:
+            return True
+        return bool(bsym.sym.is_fusion) and any(gemm(b) for b in bsym.subsymbols)
+
+    return any(gemm(b) for b in trace.bound_symbols)
+
+
+def measure(trace: TraceCtx, *, transformer_engine: bool, cublas: bool = True) -> DeviceMemory | None:
+    """Allocated bytes and the workspaces' bytes on the device of ``trace``'s inputs (None on the CPU): cuBLAS's where
+    ``cublas`` (the program has GEMMs that are not TransformerEngine's: :func:`has_cublas_gemms`), TE's where
+    ``transformer_engine``."""
     device = program_device(trace)
     if device is None or not torch.cuda.is_available():
         return None
     dev = torch.device(device)
     allocated = torch.cuda.memory_allocated(dev)
-    forces: list[tuple[str, Callable[[], object]]] = [(CUBLAS, lambda: _run_linear(dev))]
+    forces: list[tuple[str, Callable[[], object]]] = [(CUBLAS, lambda: _run_linear(dev))] if cublas else []
     if transformer_engine:
         forces.append((TE_GEMM, lambda: _te_workspace(dev)))
     workspaces, not_forced = [], []

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
-from thunder_fp8shard.liveness import life_spans, span_bytes, with_sharding
-from thunder_fp8shard.memory_model import MemoryModel
-from thunder_fp8shard.plan import Bucket, Decision
+from thunder_fp8shard.liveness import life_spans, span_bytes, with_compaction, with_sharding
+from thunder_fp8shard.memory_model import MemoryModel, compacted_storage
+from thunder_fp8shard.plan import Bucket, Compaction, Decision
 from thunder_fp8shard.resident import term_lives
 
 HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
@@ -75,16 +75,17 @@ def shard_op_nbytes(buckets: Sequence[Bucket]) -> dict[int, int]:
 
 
 def group(
-    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int
+    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int,
+    compactions: Sequence[Compaction] = (),
 ) -> list[Bucket]:
-    """Buckets and shard ops for the chosen tensors (see the module's docstring); ``bucket_bytes=0`` gives one
-    tensor a bucket and one bucket a shard op."""
+    """Buckets and shard ops for the chosen tensors (see the module's docstring), on the model with ``compactions``
+    made; ``bucket_bytes=0`` gives one tensor a bucket and one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]
     build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
-    live_bytes = _LiveBytes(model, order)
+    live_bytes = _LiveBytes(model, order, compactions)
     reference = live_bytes(build(singles, range(len(singles))))
     ceiling = (1 - HEADROOM) * reference.max()
     fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
@@ -136,10 +137,11 @@ class _LiveBytes:
     only what :func:`~thunder_fp8shard.liveness.with_sharding` makes of the sharded storages (their shortened
     lives, shards and gathered buffers)."""
 
-    def __init__(self, model: MemoryModel, chosen: Sequence[Decision]):
+    def __init__(self, model: MemoryModel, chosen: Sequence[Decision], compactions: Sequence[Compaction] = ()):
         self.model, self.n = model, len(model.steps)
         touched = {model.placements[d.name].life for d in chosen}
-        untouched = [life for life in model.lives.values() if life.name not in touched]
+        lives = with_compaction(model.lives, [compacted_storage(c) for c in compactions])
+        untouched = [life for life in lives.values() if life.name not in touched]
         self.base = span_bytes(life_spans([*untouched, *term_lives(list(model.terms)).values()]), self.n)
 
     def __call__(self, buckets: list[Bucket]) -> np.ndarray:

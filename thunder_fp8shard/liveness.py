@@ -11,7 +11,10 @@ memory the step runs in besides it (parameters held by the caller, optimizer sta
 Model (what counts, and for how long):
 
 - Storages are produced by bound symbols of either trace (a bound symbol with subsymbols is one op). A
-  ``FutureTensorProxy`` counts by its buffer, and ``torch_wait_prim_impl`` returns a view of that buffer.
+  ``FutureTensorProxy`` counts by its buffer, and ``torch_wait_prim_impl`` returns a view of that buffer. The
+  outputs of a view op (``VIEW_OPS``) share their input's storage; so do the outputs of a torch.compile fusion region
+  that are views of one of its inputs, and the region's outputs that are views of one buffer it allocates share that
+  buffer, counted at its size (:mod:`thunder_fp8shard.aliasing`). A storage lives as long as any tensor viewing it.
 - Trace inputs: the forward's tensor arguments (parameters and inputs) are live from step 0 to the end of the
   forward at least (the caller holds them); the backward's own inputs (the cotangents) from the first backward
   step. Unpack bound symbols allocate nothing. The backward unpacks ``C0`` under the forward names, so those are
@@ -36,6 +39,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
+from thunder_fp8shard.aliasing import region_aliasing
 from thunder_fp8shard.saved import tensor_nbytes
 
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
@@ -186,9 +190,12 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
     Bound-symbol nodes are the step indices, with attributes ``index``, ``phase`` and ``bsym``. Tensor nodes are
     proxy names, with attributes ``proxy``, ``nbytes`` (default size), ``start`` (step allocating it) and
     ``held_until`` (the step it lives to at least even without uses: end of forward for forward inputs and
-    outputs, the first backward step for saved tensors, the last step for gradients; else ``start``). Unpacks
+    outputs, the first backward step for saved tensors, the last step for gradients; else ``start``), and for the
+    outputs of a fusion region that share a buffer it allocates, ``storage_nbytes`` (that buffer's bytes). Unpacks
     produce nothing: the backward's unpack of the saved tensors is an edge from the forward tensor (same name).
-    Graph attribute ``backward_start``: index of the first backward step.
+    Graph attributes: ``backward_start`` (index of the first backward step) and ``region_views``, the (input,
+    output) pairs of fusion regions whose output views that input or shares a buffer with another output
+    (:func:`thunder_fp8shard.aliasing.region_aliasing`).
     """
     joint = _joint(fw_trace, bw_trace)
     bw_start = len(fw_trace.bound_symbols)
@@ -197,6 +204,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
     nodes: list[tuple[int | str, dict]] = []
     edges: list[tuple[int | str, int | str]] = []
     tensors: dict[str, dict] = {}
+    region_views: list[tuple[str, str]] = []
 
     def add_tensor(p: Proxy, start: int) -> None:
         if p.name not in tensors:
@@ -223,6 +231,13 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
             elif p.name not in tensors:  # a name already known is passed through, not allocated
                 add_tensor(p, i)
                 edges.append((i, p.name))
+        if bsym.sym.is_fusion and not unpack:
+            aliasing = region_aliasing(bsym)
+            region_views += aliasing.views_of.items()
+            for outs, nbytes in aliasing.shared:
+                for o in outs:
+                    tensors[o]["storage_nbytes"] = nbytes
+                region_views += ((outs[0], o) for o in outs[1:])
 
     outputs, saved = forward_return(fw_trace)
     for p in outputs:
@@ -232,7 +247,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
     if bw_trace is not None and bw_trace.bound_symbols and bw_trace.bound_symbols[-1].sym.id == PrimIDs.RETURN:
         for p in _tensors(bw_trace.bound_symbols[-1].flat_proxy_args):
             tensors[p.name]["held_until"] = len(joint) - 1
-    g = nx.DiGraph(backward_start=bw_start)
+    g = nx.DiGraph(backward_start=bw_start, region_views=region_views)
     g.add_nodes_from(nodes)
     g.add_edges_from(edges)
     return g
@@ -244,18 +259,26 @@ def uses(graph: nx.DiGraph, names: Iterable[str]) -> tuple[int, ...]:
     return tuple(sorted(steps))
 
 
-def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
-    """Tensor names grouped by storage: connected components of the (view input, view output) edges."""
-    aliases = nx.Graph()
-    aliases.add_nodes_from(n for n in graph if isinstance(n, str))
+def view_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """Tensor names, with an edge from each tensor to every tensor that views its storage directly: the outputs of
+    view ops and pass-through tokens, the outputs of fusion regions that view an input (``region_views``; outputs
+    sharing a buffer their region allocates are joined one to the other)."""
+    views = nx.DiGraph()
+    views.add_nodes_from(n for n in graph if isinstance(n, str))
     for i in (n for n in graph if isinstance(n, int)):
         bsym = graph.nodes[i]["bsym"]
         if bsym.sym.name in VIEW_OPS and (ins := _tensors(bsym.flat_proxy_args)):
-            aliases.add_edges_from((ins[0].name, out) for out in graph.successors(i))
+            views.add_edges_from((ins[0].name, out) for out in graph.successors(i))
         elif bsym.sym.name.startswith(PASS_THROUGH_TOKENS):  # output k is token k
             tokens = _tensors(bsym.kwargs.get("tokens", ()))
-            aliases.add_edges_from((t.name, o.name) for t, o in zip(tokens, _tensors(bsym.flat_proxy_outs)))
-    return list(nx.connected_components(aliases))
+            views.add_edges_from((t.name, o.name) for t, o in zip(tokens, _tensors(bsym.flat_proxy_outs)))
+    views.add_edges_from(graph.graph.get("region_views", ()))
+    return views
+
+
+def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
+    """Tensor names grouped by storage: the connected components of :func:`view_graph`."""
+    return list(nx.weakly_connected_components(view_graph(graph)))
 
 
 def storage_lives(
@@ -274,22 +297,37 @@ def storage_lives(
     g = graph if graph is not None else joint_graph(fw_trace, bw_trace)
     nodes = g.nodes
     order = {n: k for k, n in enumerate(g)}  # insertion order: order of first appearance
-    last_use: dict[str, int] = {}  # max(uses(g, [name])), for every tensor with a use, in one pass over the steps
-    for i in order:
-        if type(i) is int and not _is_bookkeeping(nodes[i]["bsym"]):
-            for name in g.pred[i]:
-                if last_use.get(name, -1) < i:
-                    last_use[name] = i
+    last_use = last_uses(g)
     lives = []
     for group in alias_groups(g):
         members = sorted(group, key=lambda n: (nodes[n]["start"], order[n]))
         rep = nodes[members[0]]
-        end = max(last_use.get(n, 0) for n in members)
-        end = max(end, *(nodes[n]["held_until"] for n in members))
-        nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
+        end = held_to(g, members, last_use)
+        if "storage_nbytes" in rep:  # a buffer a fusion region allocates, some of which its outputs view
+            nbytes = rep["storage_nbytes"]
+        else:
+            nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
         lives.append(Life(members[0], tuple(members), nbytes, rep["start"], end))
     lives.sort(key=lambda life: (life.start, order[life.name]))
     return {life.name: life for life in lives}
+
+
+def last_uses(graph: nx.DiGraph) -> dict[str, int]:
+    """The last step that really uses each tensor (``max(uses(graph, [name]))``), for every tensor with a use, in one
+    pass over the steps."""
+    nodes, last = graph.nodes, {}
+    for i in graph:
+        if type(i) is int and not _is_bookkeeping(nodes[i]["bsym"]):
+            for name in graph.pred[i]:
+                if last.get(name, -1) < i:
+                    last[name] = i
+    return last
+
+
+def held_to(graph: nx.DiGraph, names: Iterable[str], last_use: Mapping[str, int]) -> int:
+    """The last step any of ``names`` is held to: its last use, or where it is held without uses."""
+    nodes = graph.nodes
+    return max(max(last_use.get(n, 0), nodes[n]["held_until"]) for n in names)
 
 
 def storage_of(lives: Mapping[str, Life]) -> dict[str, Life]:
@@ -341,3 +379,31 @@ def with_sharding(
         out[f"{s.name}.gathered"] = Life(f"{s.name}.gathered", everyone, s.gathered_nbytes, s.gather_at,
                                          max(m.end for m in members))
     return out
+
+
+@dataclass(frozen=True)
+class CompactedStorage:
+    """What compacting the saved views of one storage does (steps of the unmodified program): the storage ends at
+    ``compact_at`` (the last forward use of any tensor viewing it), and each saved view ``members[k]`` is a compact
+    copy of ``nbytes[k]`` bytes from ``compact_at`` to ``ends[k]`` (its last use, or that of a view of it)."""
+
+    life: str
+    members: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    compact_at: int
+    ends: tuple[int, ...]
+
+
+def with_compaction(lives: Mapping[str, Life], compactions: Iterable[CompactedStorage]) -> dict[str, Life]:
+    """The lives after compaction: each storage ends at ``compact_at``; ``"<life>.compact<k>"`` is the compact copy of
+    its ``k``-th saved view. Raises ``ValueError`` for a storage that does not outlive ``compact_at``."""
+    out = dict(lives)
+    for c in compactions:
+        life = lives[c.life]
+        if not life.start <= c.compact_at < min(c.ends) or max(c.ends) > life.end:
+            raise ValueError(f"cannot compact {life.name} [{life.start}, {life.end}] as {c}")
+        out[c.life] = replace(life, end=c.compact_at)
+        for k, (m, nbytes, end) in enumerate(zip(c.members, c.nbytes, c.ends)):
+            out[f"{c.life}.compact{k}"] = Life(f"{c.life}.compact{k}", (m,), nbytes, c.compact_at, end)
+    return out
+

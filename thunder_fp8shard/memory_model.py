@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.candidates import Candidate
+from thunder_fp8shard.candidates import TE_FLOAT8, Candidate
+from thunder_fp8shard.compaction import compaction_options
 from thunder_fp8shard.liveness import (
-    Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives, storage_of, timeline,
-    uses, with_sharding,
+    CompactedStorage, Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives,
+    storage_of, timeline, uses, with_compaction, with_sharding,
 )
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Bucket, MemoryTerm
+from thunder_fp8shard.plan import Bucket, Compaction, MemoryTerm
+from thunder_fp8shard.saved import forward_saved, model_io_names
 from thunder_fp8shard.resident import step_terms, term_lives
 
 
@@ -44,6 +46,7 @@ class MemoryModel:
     placements: dict[str, Placement]  # by candidate name; missing when a candidate is never used in backward
     compute: tuple[bool, ...]  # per step: False for bookkeeping (del, clears, unpacks, return)
     terms: tuple[MemoryTerm, ...] = ()
+    compactions: tuple[Compaction, ...] = ()  # the storages saved views could be compacted out of (none taken)
 
     def compute_steps_between(self, first: int, last: int) -> int:
         """Compute steps strictly between two steps."""
@@ -56,10 +59,11 @@ class MemoryModel:
         """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
-    def evaluate(self, buckets: list[Bucket], *, terms: bool = True) -> Timeline:
+    def evaluate(self, buckets: list[Bucket], compactions: list[Compaction] = (), *, terms: bool = True) -> Timeline:
         """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planner.schedule`) are
-        sharded (``terms=False``: the program's own tensors only)."""
+        sharded and ``compactions`` made (``terms=False``: the program's own tensors only)."""
         lives = with_sharding(self.lives, self.steps, [self.sharded_group(b) for b in buckets])
+        lives = with_compaction(lives, [compacted_storage(c) for c in compactions])
         return timeline({**lives, **term_lives(list(self.terms))} if terms else lives, self.steps)
 
     def sharded_group(self, b: Bucket) -> ShardedGroup:
@@ -96,4 +100,12 @@ def memory_model(
         if backward_uses:
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(fw, bw, lives, options, device)) if options is not None else ()
-    return MemoryModel(lives, steps, placements, compute, terms)
+    # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
+    excluded = model_io_names(fw) | {c.name for c in candidates if c.kind == TE_FLOAT8}
+    compactions = tuple(compaction_options(graph, lives, forward_saved(fw)[0], excluded))
+    return MemoryModel(lives, steps, placements, compute, terms, compactions)
+
+
+def compacted_storage(c: Compaction) -> CompactedStorage:
+    """What compaction ``c`` does to its storage, for :func:`~thunder_fp8shard.liveness.with_compaction`."""
+    return CompactedStorage(c.storage, c.members, c.member_nbytes, c.compact_at, c.ends)

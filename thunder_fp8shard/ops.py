@@ -3,6 +3,11 @@
 Forward:  ``shard, r1, ..., rb = fp8shard_shard(((t1, ..., tk), ...), spec)``: one call keeps this rank's shards of
           ``b`` buckets in one tensor (packed back to back), and a restorer per bucket. ``spec`` is the op's
           :class:`ShardSpec`, made by the rewrite (group, world size, planned bytes, method, verify, names).
+Forward:  ``c1, ..., ck = fp8shard_compact((v1, ..., vk))``: a compact copy of each saved view (see
+          :mod:`thunder_fp8shard.compaction`), saved instead of it.
+Checks:   ``fp8shard_audit((saved tensors), audit)`` before the forward's return and ``fp8shard_calibrate(
+          calibration)`` before the backward's (see :mod:`thunder_fp8shard.audit`): they compare the device with the
+          plan at the first calls, and return at once after.
 Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, group)`` (issues one bucket's
           all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
           of the gathered buffer, see :mod:`thunder_fp8shard.layout`). Where a wait and the next bucket's start fall
@@ -46,6 +51,22 @@ _profiler = torch.autograd.profiler  # its _is_profiler_enabled is True while to
 _UINT8 = torch.uint8
 _PLAIN = payload.PLAIN
 _KIND_OF_TYPE = payload.BY_TYPE
+
+
+def _register(name: str, meta, fn, **kwargs):
+    """``fn`` (a function of this module) as the operator ``name``, under a ``record_function`` range named after it
+    while a profiler runs. ``fn`` is looked up by its name at each call, so that a benchmark can replace it
+    (``benchmarks/paired.py --comm-stream`` replaces ``_gather_start``)."""
+    here, key = globals(), fn.__name__
+
+    def profiled(*args):
+        if _profiler._is_profiler_enabled:
+            with torch.profiler.record_function(name):
+                return here[key](*args)
+        return here[key](*args)
+
+    profiled.__name__ = profiled.__qualname__ = f"{name}_impl"
+    return executor.register_operator(name, meta=meta, fn=profiled, **kwargs)
 
 
 class ShardSpec:
@@ -203,13 +224,6 @@ def _shard_meta(buckets, spec: ShardSpec):
     return (shard, *restorers)
 
 
-def _shard_impl(buckets, spec: ShardSpec):
-    if _profiler._is_profiler_enabled:
-        with torch.profiler.record_function("fp8shard_shard"):
-            return _shard(buckets, spec)
-    return _shard(buckets, spec)
-
-
 def _shard(buckets, spec: ShardSpec):
     buffers, kinds, counts, states = [], [], [], []
     for objs in buckets:
@@ -287,7 +301,7 @@ def _shard_printer(bsym, out_printables, arg_printables, kwarg_printables) -> st
     return f"{line}  # {bsym.args[1]}"
 
 
-shard = executor.register_operator("fp8shard_shard", meta=_shard_meta, fn=_shard_impl, python_printer=_shard_printer)
+shard = _register("fp8shard_shard", _shard_meta, _shard, python_printer=_shard_printer)
 
 
 def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) -> None:
@@ -326,13 +340,6 @@ def _gather_start_meta(shard, offset: int, nbytes: int, world_size: int, group):
     return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
 
 
-def _gather_start_impl(shard: torch.Tensor, offset: int, nbytes: int, world_size: int, group) -> GatherHandle:
-    if _profiler._is_profiler_enabled:
-        with torch.profiler.record_function("fp8shard_gather_start"):
-            return _gather_start(shard, offset, nbytes, world_size, group)
-    return _gather_start(shard, offset, nbytes, world_size, group)
-
-
 def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, world_size: int, group) -> GatherHandle:
     mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
     out = shard.new_empty(nbytes * world_size)
@@ -341,18 +348,11 @@ def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, world_size: int
     return GatherHandle(group._allgather_base(out, mine, _ASYNC), out)
 
 
-gather_start = executor.register_operator("fp8shard_gather_start", meta=_gather_start_meta, fn=_gather_start_impl)
+gather_start = _register("fp8shard_gather_start", _gather_start_meta, _gather_start)
 
 
 def _gather_wait_meta(handle, restorer):
     raise NotImplementedError("fp8shard_gather_wait is bound by the rewrite with the restored proxies as its outputs")
-
-
-def _gather_wait_impl(handle: GatherHandle, restorer: Restorer) -> tuple:
-    if _profiler._is_profiler_enabled:
-        with torch.profiler.record_function("fp8shard_gather_wait"):
-            return _gather_wait(handle, restorer)
-    return _gather_wait(handle, restorer)
 
 
 def _gather_wait(handle: GatherHandle, restorer: Restorer) -> tuple:
@@ -360,20 +360,12 @@ def _gather_wait(handle: GatherHandle, restorer: Restorer) -> tuple:
     return restorer.restore(handle.buffer)
 
 
-gather_wait = executor.register_operator("fp8shard_gather_wait", meta=_gather_wait_meta, fn=_gather_wait_impl)
+gather_wait = _register("fp8shard_gather_wait", _gather_wait_meta, _gather_wait)
 
 
 def _gather_next_meta(handle, restorer, shard, offset: int, nbytes: int, world_size: int, group):
     raise NotImplementedError("fp8shard_gather_next is bound by the rewrite with the restored proxies and the next "
                               "handle as its outputs")
-
-
-def _gather_next_impl(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
-                      world_size: int, group) -> tuple:
-    if _profiler._is_profiler_enabled:
-        with torch.profiler.record_function("fp8shard_gather_next"):
-            return _gather_next(handle, restorer, shard, offset, nbytes, world_size, group)
-    return _gather_next(handle, restorer, shard, offset, nbytes, world_size, group)
 
 
 def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
@@ -382,4 +374,52 @@ def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, 
     return (*_gather_wait(handle, restorer), _gather_start(shard, offset, nbytes, world_size, group))
 
 
-gather_next = executor.register_operator("fp8shard_gather_next", meta=_gather_next_meta, fn=_gather_next_impl)
+gather_next = _register("fp8shard_gather_next", _gather_next_meta, _gather_next)
+
+
+# ---- forward: compact copies of saved views -------------------------------------------------------------------------
+
+
+def _compact_meta(views):
+    return tuple(TensorProxy(like=v, requires_grad=False) for v in views)
+
+
+def _compact(views) -> tuple:
+    """A compact copy of each view: a fresh tensor of the view's own bytes holding its values, its dimensions laid
+    out in the view's order (outermost stride first), so that whatever reads it sees the same layout order."""
+    out = []
+    for v in views:
+        order = sorted(range(v.ndim), key=lambda d: -v.stride(d))  # stable: equal strides keep their order
+        copy = torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device)
+        copy.copy_(v)
+        out.append(copy)
+    return tuple(out)
+
+
+compact = _register("fp8shard_compact", _compact_meta, _compact)
+
+
+# ---- run-time checks against the plan (thunder_fp8shard.audit) -----------------------------------------------------
+
+
+def _audit_meta(saved, audit):
+    return None
+
+
+def _audit(saved, audit) -> None:
+    audit(saved)
+
+
+audit = _register("fp8shard_audit", _audit_meta, _audit)
+
+
+def _calibrate_meta(calibration):
+    return None
+
+
+def _calibrate(calibration) -> None:
+    calibration()
+
+
+calibrate = _register("fp8shard_calibrate", _calibrate_meta, _calibrate)
+

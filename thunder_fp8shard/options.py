@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CANDIDATE_KINDS = ("fp8", "all")
+COMPACTS = ("auto", "off")
 SHARD_METHODS = ("slice", "reduce_scatter")
 POLICIES = ("all", "peak", "budget")
 COMMS = ("shared", "dedicated")
@@ -16,7 +17,13 @@ class ShardOptions:
 
     candidates: ``"fp8"`` considers saved-for-backward tensors with a float8 dtype and TransformerEngine's quantized
         tensors; ``"all"`` considers every saved tensor (the full all-gathered weights Thunder 0.2.6 keeps under ZeRO-3).
-    min_bytes: candidates smaller than this (per-tensor scales, tiny biases) are left alone.
+    min_bytes: candidates smaller than this (per-tensor scales, tiny biases) are left alone, and so are compactions
+        that would free fewer bytes.
+    compact: ``"auto"`` replaces a saved view that keeps a larger storage alive (LitGPT's ``v``, a view of ``qkv``
+        out of a torch.compile region) by a compact copy of itself, made right after the storage's last forward use
+        (rank-local, no communication, exact; see :mod:`thunder_fp8shard.compaction`), where the copy frees at
+        least as many bytes as it copies: under policy ``"all"`` every such one, under ``"peak"`` and ``"budget"``
+        those the policy picks, weighed with the shards by the bytes each moves a step. ``"off"``: never.
     method: ``"slice"`` keeps this rank's slice of the local copy (no communication); ``"reduce_scatter"``
         reduce-scatters the replicas with MAX, which returns the same bytes when they are identical.
     verify: check at shard time that every rank holds identical bytes (one small all-gather of digests per tensor).
@@ -79,6 +86,7 @@ class ShardOptions:
 
     candidates: str = "fp8"
     min_bytes: int = 1024
+    compact: str = "auto"
     method: str = "slice"
     verify: bool = False
     policy: str = "all"
@@ -94,6 +102,7 @@ class ShardOptions:
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
+        _one_of("compact", self.compact, COMPACTS)
         _one_of("method", self.method, SHARD_METHODS)
         _one_of("policy", self.policy, POLICIES)
         _non_negative_int("min_bytes", self.min_bytes)

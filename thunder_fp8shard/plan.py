@@ -31,6 +31,36 @@ class Decision:
         return self.nbytes - self.shard_nbytes if self.sharded else 0
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """A storage that only saved views smaller than it keep alive from forward to backward (LitGPT's ``v``, a view of
+    its ``qkv`` out of a torch.compile region, see :mod:`thunder_fp8shard.aliasing`): each saved view can be
+    replaced by a compact copy of itself right after the storage's last forward use, which frees the rest. Rank-local
+    (no communication), bitwise exact (the copy keeps the view's values and dimension order). Steps are those of the
+    unmodified joint program; byte counts are per rank."""
+
+    storage: str  # the storage's first tensor (its base), as the memory model names it
+    members: tuple[str, ...]  # the saved views of it
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    member_nbytes: tuple[int, ...]  # each view's own bytes: what its compact copy holds
+    storage_nbytes: int
+    compact_at: int  # the last forward use of any tensor viewing the storage: the copies are made right after
+    ends: tuple[int, ...]  # the last step each copy is held to (its last use, or that of a view of it)
+    compacted: bool = False
+    reason: str = ""
+
+    @property
+    def copied_bytes(self) -> int:
+        """Bytes copied a step (the compact copies), and held instead of the storage."""
+        return sum(self.member_nbytes)
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes of the storage no longer held from ``compact_at`` to the views' backward uses."""
+        return self.storage_nbytes - self.copied_bytes
+
+
 MEASURED = "measured"  # read from the device while the first call compiled
 MODELLED = "modelled"  # by a rule from the traces and the options
 GIVEN = "given"  # an option the user set
@@ -124,6 +154,14 @@ class ShardPlan:
     shard_group_kind: str = "own"
     # the run-time operator calls the rewritten traces make a step, by operator name (counted in the traces)
     operator_calls: dict[str, int] = field(default_factory=dict)
+    # the storages saved views could be compacted out of, taken or not (see thunder_fp8shard.compaction)
+    compactions: list[Compaction] = field(default_factory=list)
+    budget_bytes: int | None = None  # policy "budget": the budget every rank planned for (the smallest over the ranks)
+    budget_target_bytes: int | None = None  # policy "budget": the predicted peak planned to (the budget less its margin)
+    # filled at run time (thunder_fp8shard.audit): what the forward saved at the first call against the model, and
+    # the device's peak at the calibration step against the prediction
+    audit: dict | None = None
+    calibration: dict | None = None
 
     @property
     def k(self) -> int:
@@ -157,6 +195,15 @@ class ShardPlan:
     def sharded(self) -> list[Decision]:
         return [d for d in self.decisions if d.sharded]
 
+    @property
+    def compacted(self) -> list[Compaction]:
+        return [c for c in self.compactions if c.compacted]
+
+    @property
+    def compacted_bytes_per_step(self) -> int:
+        """Bytes the compactions copy a step (the compact copies made in forward)."""
+        return sum(c.copied_bytes for c in self.compacted)
+
     def decision(self, name: str) -> Decision:
         for d in self.decisions:
             if d.name == name:
@@ -172,15 +219,22 @@ class ShardPlan:
         ]
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
         fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
-        lines = [
-            f"ShardIntermediates plan: {self.integration or 'no distributed setup'}, world size {self.world_size}, "
-            f"{self._shard_group_words()}, method {self.method}, policy {self.policy}, "
-            f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
-            + (f"in {len(self.buckets)} bucket(s) kept by {len({b.shard_op for b in self.buckets})} shard op(s), "
-               f"each of at most {fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
-            + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
-            fmt(header),
-            *(fmt(r) for r in rows),
+        if self.shard_group_kind == "none":  # CompactSavedViews: no distributed setup
+            lines = [f"CompactSavedViews plan: no distributed setup, nothing sharded, policy {self.policy}; the pass "
+                     f"took {self.pass_seconds:.2f} s"]
+        else:
+            lines = [
+                f"ShardIntermediates plan: {self.integration or 'no distributed setup'}, world size {self.world_size}, "
+                f"{self._shard_group_words()}, method {self.method}, policy {self.policy}, "
+                f"prefetch {self.prefetch}; {len(self.sharded)} of {len(self.decisions)} candidates sharded, "
+                + (f"in {len(self.buckets)} bucket(s) kept by {len({b.shard_op for b in self.buckets})} shard op(s), "
+                   f"each of at most {fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
+                + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
+                fmt(header),
+                *(fmt(r) for r in rows),
+            ]
+        lines += [
+            *self._compaction_table(),
             f"saved for backward per rank: {fmt_bytes(self.saved_bytes_before)} -> {fmt_bytes(self.saved_bytes_after)}",
             f"all-gathered per rank per step (received in backward, (k-1)/k of the gathered buffers): "
             f"{fmt_bytes(self.gathered_bytes_per_step)}" + (" (and as much reduce-scattered in forward)"
@@ -199,8 +253,43 @@ class ShardPlan:
                 + (f", WITHOUT {len(self.left_out)} term(s) of unknown size:" if self.left_out else "")
             )
             lines += [f"  leaves out the {t.name}: {t.how}" for t in self.left_out]
+        lines += self._run_time_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _compaction_table(self) -> list[str]:
+        """The compaction options: each storage, its saved views, what a compact copy frees and copies, and why."""
+        if not self.compactions:
+            return []
+        header = ("storage", "saved views", "storage bytes", "freed", "copied a step", "compacted", "reason")
+        rows = [(c.storage, ", ".join(f"{m} {'x'.join(map(str, sh))} {dt}" for m, sh, dt in zip(c.members, c.shapes,
+                                                                                               c.dtypes)),
+                 f"{c.storage_nbytes:,}", f"{c.freed_bytes:,}", f"{c.copied_bytes:,}", "yes" if c.compacted else "no",
+                 c.reason) for c in self.compactions]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
+        fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
+        taken = self.compacted
+        head = (f"compaction of saved views: {len(taken)} of {len(self.compactions)} storages compacted, "
+                f"{fmt_bytes(sum(c.freed_bytes for c in taken))} freed, {fmt_bytes(self.compacted_bytes_per_step)} "
+                "copied a step")
+        return [head, fmt(header), *(fmt(r) for r in rows)]
+
+    def _run_time_lines(self) -> list[str]:
+        """What the run-time checks found (see thunder_fp8shard.audit), once they ran."""
+        out = []
+        if self.audit is not None:
+            a = self.audit
+            out.append(f"saved at the first call (measured): {fmt_bytes(a['measured_saved_bytes'])}, modelled "
+                       f"{fmt_bytes(a['predicted_saved_bytes'])}" + (
+                           f"; {len(a['differences'])} storage(s) differ (the term 'saved storages at the first call')"
+                           if a["differences"] else ""))
+        if self.calibration is not None:
+            c = self.calibration
+            out.append(f"calibration ({c['at']}): device peak {fmt_bytes(c['measured_peak_bytes'])}, predicted "
+                       f"{fmt_bytes(c['predicted_peak_bytes'])}, error {c['error_bytes']:+,} B "
+                       f"({c['error_pct']:+.2f}%)" + (", over the budget: replanned at the next call"
+                                                       if c.get("budget_missed") else ""))
+        return out
 
     def _shard_group_words(self) -> str:
         k, n = self.k, self.world_size

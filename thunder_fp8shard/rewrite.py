@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.core.proxies import AnyProxy, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transforms import (
@@ -42,6 +42,15 @@ class ShardOpRequest:
 
 
 @dataclass(frozen=True)
+class CompactionRequest:
+    """Saved views replaced by compact copies of themselves, made right after ``after`` (a bound symbol of the
+    forward: the last forward use of their storage)."""
+
+    members: tuple[TensorProxy, ...]
+    after: BoundSymbol
+
+
+@dataclass(frozen=True)
 class ShardedBucket:
     """What the forward hands to the backward for one bucket."""
 
@@ -59,21 +68,32 @@ class ForwardRewrite:
     shards: tuple[TensorProxy, ...]  # one per shard op
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
     world_size: int  # what each shard is 1/world_size of
+    compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
 
 
 def rewrite_forward(
     fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, world_size: int, method: str, verify: bool,
-    provenance: str,
+    provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
     """Inserts each ``fp8shard_shard`` after the last forward use of any member of its buckets and saves its shard
-    (and a restorer per bucket) instead of them."""
+    (and a restorer per bucket) instead of them; inserts each ``fp8shard_compact`` after its bound symbol and saves
+    the compact copies instead of the views."""
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     last_use = _last_forward_use(body, {p.name for op in shard_ops for r in op.buckets for p in r.members})
+    position = {id(b): i for i, b in enumerate(body)}
     new = from_trace(fw)
     inserted_after: dict[int, list[BoundSymbol]] = {}
     sharded: list[ShardedBucket] = []
     shards = []
+    compacted: dict[str, tuple[TensorProxy, TensorProxy]] = {}
     with tracectx(new):
+        for c in compactions:
+            scope: list[BoundSymbol] = []
+            new.push_scope(scope)
+            copies = ops.compact(c.members)
+            new.pop_scope()
+            inserted_after.setdefault(position[id(c.after)], []).extend(scope)
+            compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
         for op in shard_ops:
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
@@ -94,7 +114,7 @@ def rewrite_forward(
     gone = {p.name for s in sharded for p in s.originals}
     saved_tensors, saved_other = forward_saved(fw)
     saved = (
-        *(p for p in saved_tensors if p.name not in gone),
+        *(compacted[p.name][1] if p.name in compacted else p for p in saved_tensors if p.name not in gone),
         *shards,
         *saved_other,
         *(s.restorer for s in sharded),
@@ -102,13 +122,14 @@ def rewrite_forward(
     _update_forward_with_new_saved_for_backward(new, saved)
     out = del_last_used(new)
     out.set_provenance(TraceProvenance(provenance))
-    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size)
+    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size, tuple(compacted.values()))
 
 
 def rewrite_backward(
     bw: TraceCtx, handoff: ForwardRewrite, *, group, prefetch: int, provenance: str
 ) -> tuple[TraceCtx, list[int]]:
-    """Restores each bucket before the first backward consumer of any of its members.
+    """Restores each bucket before the first backward consumer of any of its members, and reads each compacted view
+    from its compact copy.
 
     The wait (``fp8shard_gather_wait``) goes just before that consumer; the all-gather is issued ``prefetch``
     buckets earlier: right before the first consumer of the ``prefetch``-th previous bucket, or at the start of the
@@ -126,6 +147,9 @@ def rewrite_backward(
                             PrimIDs.UNPACK_KEY)
         and b.sym is not clear_mutable_collection
     ]
+    if handoff.compacted:
+        swap = {variableify(view): copy for view, copy in handoff.compacted}
+        body = [b.from_bsym_swap_proxies(swap) for b in body]
     first_use = _first_use(body, {p.name for s in handoff.sharded for p in s.originals})
     # each bucket is restored before the first backward use of any of its members; buckets never used are not
     starts = [min((first_use[p.name] for p in s.originals if p.name in first_use), default=None) for s in handoff.sharded]
@@ -151,6 +175,26 @@ def rewrite_backward(
     return out, gathers
 
 
+def with_run_checks(handoff: ForwardRewrite, bw: TraceCtx, audit, calibration) -> tuple[TraceCtx, TraceCtx]:
+    """The rewritten forward with ``fp8shard_audit`` of its saved tensors before its return, and the backward with
+    ``fp8shard_calibrate`` before its return (see :mod:`thunder_fp8shard.audit`)."""
+    out = []
+    for trace, insert in ((handoff.trace, lambda: ops.audit(tuple(p for p in handoff.saved if isinstance(
+            p, TensorProxy)), audit)), (bw, lambda: ops.calibrate(calibration))):
+        new = from_trace(trace)
+        scope: list[BoundSymbol] = []
+        with tracectx(new):
+            new.push_scope(scope)
+            insert()
+            new.pop_scope()
+        body = list(trace.bound_symbols)
+        at = max(i for i, b in enumerate(body) if b.sym.id == PrimIDs.RETURN)
+        new.bound_symbols = [*body[:at], *scope, *body[at:]]
+        new.set_provenance(trace.get_provenance())
+        out.append(new)
+    return out[0], out[1]
+
+
 def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
     """The operators inserted at one place, each wait followed by a start made one ``fp8shard_gather_next`` call (the
     wait first, as before; the two touch different buckets, and nothing runs between them either way)."""
@@ -166,7 +210,7 @@ def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
 
 def operator_calls(fw: TraceCtx, bw: TraceCtx) -> dict[str, int]:
     """How many times a step the rewritten traces call each run-time operator of the pass, by operator name."""
-    mine = (ops.shard, ops.gather_start, ops.gather_next, ops.gather_wait)
+    mine = (ops.shard, ops.gather_start, ops.gather_next, ops.gather_wait, ops.compact, ops.audit, ops.calibrate)
     return {sym.name: sum(b.sym is sym for t in (fw, bw) for b in t.bound_symbols) for sym in mine}
 
 

@@ -67,13 +67,23 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """LitGPT's rotary embedding (``litgpt.model.apply_rope``): its ``cat`` is what ``torch_compile_cat_ex`` claims."""
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 class LlamaBlock(nn.Module):
     """A litgpt-style Llama block (RMSNorm, causal attention with a fused qkv projection, SwiGLU MLP) whose linear
-    layers are ``FakeFP8Linear`` (no rotary embedding: it does not change what is saved for backward)."""
+    layers are ``FakeFP8Linear``. With ``rope`` (LitGPT's attention as it is): the rotary embedding of the queries and
+    keys, ``torch.cat`` of the roped part and the rest as LitGPT writes it; under Thunder's ``torch_compile_cat_ex``
+    the qkv split, views and transposes and the RoPE are then one torch.compile region, which returns ``v`` as a view
+    of its input ``qkv`` (see :mod:`thunder_fp8shard.aliasing`). Without: no rotary embedding."""
 
-    def __init__(self, n_embd: int, n_head: int, intermediate_size: int):
+    def __init__(self, n_embd: int, n_head: int, intermediate_size: int, rope: bool = False):
         super().__init__()
-        self.n_head = n_head
+        self.n_head, self.rope = n_head, rope
         self.norm_1, self.norm_2 = RMSNorm(n_embd), RMSNorm(n_embd)
         self.qkv = FakeFP8Linear(n_embd, 3 * n_embd, bias=False)
         self.proj = FakeFP8Linear(n_embd, n_embd, bias=False)
@@ -81,10 +91,17 @@ class LlamaBlock(nn.Module):
         self.fc_2 = FakeFP8Linear(n_embd, intermediate_size, bias=False)
         self.mlp_proj = FakeFP8Linear(intermediate_size, n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(self.norm_1(x)).split(c, dim=-1)
-        q, k, v = (z.reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.rope:  # LitGPT: q.view(B, T, n_head, head_size).transpose(1, 2)
+            q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        else:
+            q, k, v = (z.reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.rope:
+            n = cos.shape[-1]  # the roped part, as LitGPT's rope_n_elem
+            q = torch.cat((apply_rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
+            k = torch.cat((apply_rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
         x = x + self.proj(y)
         h = self.norm_2(x)
@@ -94,15 +111,23 @@ class LlamaBlock(nn.Module):
 class FakeFP8Llama(nn.Module):
     """A litgpt-style Llama (token embedding, ``n_layer`` blocks, final RMSNorm, LM head) with fake-FP8 linears."""
 
-    def __init__(self, n_layer: int, n_embd: int = 64, n_head: int = 4, intermediate_size: int = 172, vocab_size: int = 256):
+    def __init__(self, n_layer: int, n_embd: int = 64, n_head: int = 4, intermediate_size: int = 172, vocab_size: int = 256,
+                 rope: bool = False, block_size: int = 256):
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
-        self.blocks = nn.ModuleList(LlamaBlock(n_embd, n_head, intermediate_size) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(LlamaBlock(n_embd, n_head, intermediate_size, rope) for _ in range(n_layer))
         self.norm = RMSNorm(n_embd)
         self.lm_head = FakeFP8Linear(n_embd, vocab_size, bias=False)
+        self.rope = rope
+        if rope:  # LitGPT's rope cache: cos and sin of the roped half of a head, for every position up to block_size
+            half = n_embd // n_head // 2
+            angles = torch.arange(block_size)[:, None] / (10000 ** (torch.arange(half) / half))
+            self.register_buffer("cos", angles.cos(), persistent=False)
+            self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
+        rope = (self.cos[: idx.shape[1]], self.sin[: idx.shape[1]]) if self.rope else ()
         for block in self.blocks:
-            x = block(x)
+            x = block(x, *rope)
         return self.lm_head(self.norm(x))
