@@ -145,12 +145,24 @@ class Arm:
     alone_peak_bytes: int | None = None  # the process's peak while only the arms built so far existed
     before_bytes: int = 0  # allocated bytes when this arm's build began (the arms built before it)
     budget_below_base: int | None = None  # policy "budget": this many bytes under the base's peak (relative_budget)
+    kind: str = "shard"  # the pass: "shard" (ShardIntermediates) or "compact" (CompactSavedViews: compaction alone)
     build_s: float = 0.0
     first_iteration_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
-ARM_KEYS = ("revision", "budget_below_base_bytes")  # an arm's keys that are the benchmark's, not the pass's
+ARM_KEYS = ("revision", "budget_below_base_bytes", "pass")  # an arm's keys that are the benchmark's, not the pass's
+
+
+def reserve(torch, device, nbytes: int):
+    """``nbytes`` of device memory held (a tensor; None for 0): while an arm is built and compiled, the memory the arms
+    built after it will hold (estimated as the resident bytes of the arm built before it: the same model, its
+    parameters, gradients' leftovers and optimizer state), so that the pass measures, and plans for, the memory
+    the timed iterations will run in, where every arm is resident (``--reserve-later``, on by default). A budget
+    arm's budget, and every arm's predicted peak, are then those of the timed iterations."""
+    if nbytes <= 0:
+        return None
+    return torch.empty(int(nbytes), dtype=torch.uint8, device=device)
 
 
 def relative_budget(resident_now: int, base_peak: int, base_before: int, below: int) -> int:
@@ -379,7 +391,7 @@ def timed_iteration(torch, arm: Arm, batch, gc_log: _GcLog) -> dict:
 def build(bl, arm: Arm, kwargs: dict, passes: dict) -> None:
     import torch
 
-    arm.shard = passes[arm.revision](**arm.options) if arm.options is not None else None
+    arm.shard = passes[arm.revision, arm.kind](**arm.options) if arm.options is not None else None
     start = time.perf_counter()
     with _pass_appended(bl, arm.shard):
         arm.bench = bl.Benchmark_litGPT(**kwargs)
@@ -456,6 +468,13 @@ def plan_summary(shard) -> dict | None:
         # getattr: a "revision" arm's plan may predate these
         "gathered_bytes_per_step": getattr(plan, "gathered_bytes_per_step", None),
         "saving_fraction": getattr(plan, "saving_fraction", (plan.world_size - 1) / plan.world_size),
+        "compactions": len(getattr(plan, "compacted", [])),
+        "compacted_bytes": getattr(plan, "compacted_bytes_per_step", 0),
+        "compaction_freed_bytes": sum(c.freed_bytes for c in getattr(plan, "compacted", [])),
+        "budget_bytes": getattr(plan, "budget_bytes", None), "budget_target_bytes": getattr(plan, "budget_target_bytes", None),
+        "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in plan.terms],
+        "audit": getattr(plan, "audit", None), "calibration": getattr(plan, "calibration", None),
+        "notes": list(plan.notes),
     }
 
 
@@ -488,7 +507,7 @@ def run(args, flags: list[str]) -> list[dict]:
     import thunder.benchmarks.benchmark_litgpt as bl
     from jsonargparse import ArgumentParser
 
-    from thunder_fp8shard import ShardIntermediates
+    from thunder_fp8shard import CompactSavedViews, ShardIntermediates
     if args.comm_stream:
         _pass_gathers_on_their_own_stream()
 
@@ -505,27 +524,35 @@ def run(args, flags: list[str]) -> list[dict]:
     cuda = dev.type == "cuda"
     arms = [Arm(name, None if opts is None else {k: v for k, v in opts.items() if k not in ARM_KEYS},
                 None if opts is None else opts.get("revision"),
-                budget_below_base=None if opts is None else opts.get("budget_below_base_bytes"))
+                budget_below_base=None if opts is None else opts.get("budget_below_base_bytes"),
+                kind="shard" if opts is None else opts.get("pass", "shard"))
             for name, opts in json.loads(args.arms).items()]
+    if any(a.kind not in ("shard", "compact") or (a.kind == "compact" and a.revision) for a in arms):
+        raise SystemExit('--arms: "pass" is "shard" (ShardIntermediates) or "compact" (CompactSavedViews, this '
+                         'checkout only)')
     if any(a.budget_below_base is not None for a in arms) and not cuda:
         raise SystemExit("--arms: budget_below_base_bytes needs CUDA (the budget is in device bytes)")
     if len(arms) < 2 or arms[0].options is not None:
         raise SystemExit("--arms: the first arm is the base and has no pass (null), and at least one more arm")
-    passes = {None: ShardIntermediates}
+    passes = {(None, "shard"): ShardIntermediates, (None, "compact"): CompactSavedViews}
     revs = {a.revision for a in arms if a.revision is not None}
     if len(revs) > 1:
         raise SystemExit(f"--arms: at most one other revision of the pass in a process, got {sorted(revs)}")
     revisions = tempfile.TemporaryDirectory()  # lives as long as this run
     for rev in revs:
-        passes[rev] = import_revision(rev, revisions.name).ShardIntermediates
+        passes[rev, "shard"] = import_revision(rev, revisions.name).ShardIntermediates
     gc_log = _GcLog()
     gc.callbacks.append(gc_log)
     batches = None
-    # build the arms without the pass first (see the module docstring), each compiled and warmed up alone
-    for arm in sorted(arms, key=lambda a: a.options is not None):
+    # build the arms without the pass first (see the module docstring), each compiled and warmed up alone; with
+    # --reserve-later, the memory the arms built after it will hold is reserved while each is built (see reserve)
+    order = sorted(arms, key=lambda a: a.options is not None)
+    placeholder = None
+    for j, arm in enumerate(order):
+        placeholder = None  # freed: the next reservation is made for the arms after this one
+        if cuda and args.reserve_later and j:
+            placeholder = reserve(torch, dev, (len(order) - 1 - j) * order[j - 1].resident_bytes)
         before = arm.before_bytes = torch.cuda.memory_allocated(dev) if cuda else 0
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
         if arm.budget_below_base is not None:
             base = arms[0]
             arm.options = {**arm.options, "budget_bytes": relative_budget(
@@ -535,6 +562,9 @@ def run(args, flags: list[str]) -> list[dict]:
         t = time.perf_counter()
         step(arm.bench, batches[0])  # compiles
         arm.first_iteration_s = time.perf_counter() - t
+        if cuda:  # the steady state: the warm-up iterations' peak (the first backward after an optimizer step, too)
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         for k in range(args.warmup):
             step(arm.bench, batches[k % len(batches)])
         if cuda:
@@ -544,6 +574,8 @@ def run(args, flags: list[str]) -> list[dict]:
         print(f"[paired] built {arm.name}: {arm.build_s:.1f} s, first iteration {arm.first_iteration_s:.1f} s, "
               f"resident {arm.resident_bytes / 1e9:.2f} GB, peak so far {(arm.alone_peak_bytes or 0) / 1e9:.2f} GB",
               flush=True)
+    placeholder = None  # every arm is built: what was reserved for them, they hold
+    del placeholder
     schedule = quad_schedule(len(arms), args.warmup_quads) + quad_schedule(len(arms), args.timed // 2)
     n_warm = 4 * (len(arms) - 1) * args.warmup_quads
     gc.collect()
@@ -585,7 +617,11 @@ def run(args, flags: list[str]) -> list[dict]:
                    **compare(records, k))
         plan = plan_summary(arm.shard)
         if plan:
-            ideal = plan["saving_fraction"] * plan["sharded_bytes"] / 1e9  # (k-1)/k: the shard group's k
+            # (k-1)/k of the sharded copies (the shard group's k), and what the compactions free
+            sharding = plan["saving_fraction"] * plan["sharded_bytes"] / 1e9
+            ideal = sharding + plan["compaction_freed_bytes"] / 1e9
+            res["ideal_sharding_reduction_GB"], res["compaction_freed_GB"] = sharding, plan["compaction_freed_bytes"] / 1e9
+            res["compacted_bytes"] = plan["compacted_bytes"]
             res["ideal_reduction_GB"] = ideal
             res["reduction_share_of_ideal"] = res["memory_reduction_GB"] / ideal if ideal else None
             res["predicted_peak_GB"] = {"before": plan["peak_bytes_before"] / 1e9, "after": plan["peak_bytes_after"] / 1e9}
@@ -599,6 +635,37 @@ def run(args, flags: list[str]) -> list[dict]:
                                  "largest_iteration_peak_bytes": worst, "met": worst <= arm.options["budget_bytes"]}
         results.append(res)
     return results
+
+
+def accuracy_reports(results: list[dict]) -> dict[str, dict]:
+    """The plan's predicted peak against the measured one, one report a configuration (``"kind": "plan_accuracy"``):
+    each arm with the pass (its plan's peak after, at compilation and as the run-time audit corrected it, against
+    the median of its timed iterations' peaks) and the base without it (the first such plan's peak before against
+    the base's). With ``--reserve-later`` every prediction is made for the memory the timed iterations run in."""
+    out = {}
+    for r in results:
+        if r.get("null") or "predicted_peak_GB" not in r:
+            continue
+        arm = next(a for a in r["arms"] if a["name"] == r["arm"])
+        common = {k: r[k] for k in ("device", "simulated", "world_size", "n_layers", "low_precision_mode", "flags",
+                                    "started", "launch")}
+        common["executors"] = _flag(r["flags"], "compile", "thunder")
+        plan = arm["plan"]
+        if not r["measured_peak_GB"]["base"]:  # the CPU: no device peak
+            continue
+        for name, with_pass, predicted, measured in (
+                (r["arm"], True, plan["peak_bytes_after"], r["measured_peak_GB"]["arm"] * 1e9),
+                (r["base"], False, plan["peak_bytes_before"], r["measured_peak_GB"]["base"] * 1e9)):
+            if name in out:
+                continue
+            out[name] = dict(common, kind="plan_accuracy", arm=name, with_pass=with_pass,
+                             options=r["options"] if with_pass else None,
+                             predicted_peak_bytes=int(predicted), measured_peak_bytes=int(measured),
+                             error_pct=100.0 * (predicted - measured) / measured,
+                             predicted_from=f"the plan of arm {r['arm']!r}" + (" (its peak after)" if with_pass
+                                                                               else " (its peak before: no pass)"),
+                             terms=plan["terms"], audit=plan["audit"], calibration=plan["calibration"])
+    return out
 
 
 def _table(results: list[dict]) -> str:
@@ -628,6 +695,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="cpu: Thunder's benchmark on the CPU (small configs; the pass's CPU cost in a whole step)")
     p.add_argument("--timed", type=int, default=100, help="timed iterations per arm (even)")
     p.add_argument("--warmup", type=int, default=2, help="iterations of each arm right after it is compiled")
+    p.add_argument("--no-reserve-later", dest="reserve_later", action="store_false",
+                   help="do not reserve, while an arm is built, the memory of the arms built after it (see reserve)")
     p.add_argument("--warmup-quads", type=int, default=2, help="alternating quads per arm before timing (discarded)")
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="do not gc.freeze() the objects alive after warm-up")
@@ -651,6 +720,13 @@ def main(argv: list[str] | None = None) -> None:
             with open(path, "w") as f:
                 json.dump(r, f, indent=1)
             print(f"[paired] wrote {path}")
+    if results and args.out:
+        for name, report in accuracy_reports(results).items():
+            path = f"{args.out}_accuracy_{name}.json"
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+            print(f"[paired] wrote {path}: predicted {report['predicted_peak_bytes'] / 1e9:.3f} GB, measured "
+                  f"{report['measured_peak_bytes'] / 1e9:.3f} GB ({report['error_pct']:+.2f}%)")
     if results:
         print(_table(results), flush=True)
 

@@ -1,6 +1,10 @@
 """The GPU tests' training run (``thunder_fp8shard.testing.litgpt_run``) under each Thunder setup it builds, on the
-CPU: the fake-FP8 toy Llama without TransformerEngine, two gloo ranks, different data per rank. Losses and every
-gradient of three AdamW steps are bitwise equal with and without the pass and non-zero, and the pass shards."""
+CPU: the fake-FP8 toy Llama (LitGPT's attention with RoPE) under Thunder's benchmark executors (the cat executor's
+CPU twin first) without TransformerEngine, two gloo ranks, different data per rank. Losses and every gradient of
+three AdamW steps are bitwise equal with and without the pass and non-zero; what the GPU tests assume is asserted
+here too: every block's five weight copies sharded (the lm_head's refused), every block's ``v`` compacted, the
+saved bytes falling by exactly the plans' prediction, each plan counted once per run (under FSDP2 one subgraph
+serves both blocks: its plan runs twice a step)."""
 
 from __future__ import annotations
 
@@ -9,19 +13,28 @@ import pytest
 from thunder_fp8shard.testing import litgpt_run
 from thunder_fp8shard.testing.harness import run_on_ranks
 
-TOY = dict(model="toy", n_layer=2, n_embd=64, n_head=4, intermediate_size=96, vocab_size=128, seq_len=16,
+N_LAYER = 2
+TOY = dict(model="toy", n_layer=N_LAYER, n_embd=64, n_head=4, intermediate_size=96, vocab_size=128, seq_len=16,
            micro_batch_size=2, steps=3, te=False, device="cpu", return_grads=True, extra={"min_bytes": 0})
 
 
-@pytest.mark.parametrize("setup", ["zero2", "ddp", "fsdp2"])
+@pytest.mark.parametrize("setup", ["zero3", "zero2", "ddp", "fsdp2"])
 def test_litgpt_run_is_exact_under_each_setup_it_builds(setup):
     without, with_ = (run_on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**TOY, setup=setup, shard=s),
                                    backend="gloo") for s in (False, True))
     litgpt_run.assert_bitwise_equal_and_nonzero(without, with_, TOY["steps"])
-    assert all(b["saved_bytes_measured"] < a["saved_bytes_measured"] for a, b in zip(without, with_))
-    expected = {"zero2": "Thunder FSDP (ZeRO-2)", "ddp": "Thunder DDP", "fsdp2": "FSDP2"}[setup]
-    assert expected in with_[0]["plan"]["text"].splitlines()[0]
-    assert with_[0]["sharded_total"] > 0  # under FSDP2: summed over its subgraphs' plans
+    expected = {"zero3": "Thunder FSDP (ZeRO-3)", "zero2": "Thunder FSDP (ZeRO-2)", "ddp": "Thunder DDP",
+                "fsdp2": "FSDP2"}[setup]
+    run = with_[0]
+    assert expected in run["plan"]["text"].splitlines()[0]
+    # each block's qkv, proj, fc_1, fc_2 and mlp_proj weight copies (the lm_head's: no idle interval), each block's v
+    assert run["sharded_total"] == 5 * N_LAYER and run["compacted_total"] == N_LAYER, run["runs_per_step"]
+    if setup == "fsdp2":  # one Dynamo graph, one Thunder compilation, for both blocks: its plan runs twice a step
+        assert sorted(run["runs_per_step"]) == [1, 2], run["runs_per_step"]
+    else:
+        assert run["runs_per_step"] == [1]
+    for a, b in zip(without, with_):  # the plans' predicted saving, each counted once per run, is what autograd saves
+        assert a["saved_bytes_measured"] - b["saved_bytes_measured"] == b["predicted_saving_total"] > 0
 
 
 def test_litgpt_run_refuses_an_unknown_setup():

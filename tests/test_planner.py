@@ -83,6 +83,15 @@ def test_budget_that_cannot_be_met_says_so():
                      "predicted peak is 320 B (over it)"]
 
 
+def test_a_budget_that_cannot_be_met_is_a_warning_and_a_note():
+    choice = choose(SOUND, MODEL, ShardOptions(prefetch=0, optimizer_states=0, policy="budget", budget_bytes=100), 2)
+    assert choice.warnings == choice.notes and "cannot be met" in choice.warnings[0]
+    # within the budget but not its margin: still a warning (the device would have no room for the model's error)
+    choice = choose(SOUND, MODEL, ShardOptions(prefetch=0, optimizer_states=0, policy="budget", budget_bytes=321), 2)
+    assert choice.warnings == ["budget 321 B cannot be met: planned to 314 B (the budget less its 2% margin), the "
+                               "lowest predicted peak is 320 B (within the budget but not its margin)"]
+
+
 def test_prefetch_issues_gathers_earlier_and_the_model_counts_the_early_buffers():
     after0, gathers0 = _evaluate(SOUND[:2], prefetch=0)
     after1, gathers1 = _evaluate(SOUND[:2], prefetch=1)

@@ -12,8 +12,11 @@ prediction with the device and write what they find into the plan (:class:`~thun
   A difference becomes a *measured* memory term of the plan (``saved storages at the first call``), on the steps the
   model has those tensors alive, with a warning naming the tensors and their bytes; the predicted peak after is
   corrected by it. Later calls return at once.
+- ``fp8shard_audit`` also counts the forward's calls until the program's first backward: the plan's
+  ``runs_per_step`` (under ThunderFX one compiled program serves every block of the same class and shapes, so its
+  plan runs several times a step; its bytes count that many times).
 - ``fp8shard_calibrate`` (the backward's last operator) reads the device's peak (``torch.cuda.max_memory_allocated``)
-  at the end of the second backward: the first step whose forward and backward run with the optimizer's state (it
+  at the end of the second step's last backward of the program: the first step whose forward and backward run with the optimizer's state (it
   is created by the first ``optimizer.step()``), and whose peak Thunder's benchmark and most loops do not reset.
   The ranks of the shard group agree on the largest reading (one all-reduce MAX, once), so that every rank decides
   alike. The plan records the reading and its error against the predicted peak. Under ``policy="budget"``, a reading
@@ -167,18 +170,24 @@ def add_term(plan: ShardPlan, term: MemoryTerm) -> None:
 
 
 class SavedAudit:
-    """The forward's check of what it saves (``fp8shard_audit``'s state): at the first call, compares and records."""
+    """The forward's check of what it saves (``fp8shard_audit``'s state): at the first call, compares and records;
+    until the program's first backward, counts the forward's calls (``calls``: under ThunderFX one compiled program
+    can serve several blocks of a step)."""
 
     def __init__(self, plan: ShardPlan, expected: list[SavedStorage], names: list[str]):
-        self.plan, self.expected, self.names, self.done = plan, expected, names, False
+        self.plan, self.expected, self.names = plan, expected, names
+        self.done, self.counting, self.calls = False, True, 0
 
     def __call__(self, saved) -> None:
+        if self.counting:
+            self.calls += 1
         if self.done:
             return
         self.done = True
         total, differences = compare(self.expected, self.names, list(saved))
         self.plan.audit = {"measured_saved_bytes": total, "predicted_saved_bytes": sum(e.nbytes for e in self.expected),
-                           "differences": [d.__dict__ for d in differences]}
+                           "differences": [d.__dict__ for d in differences],
+                           "peak_bytes_after_at_compilation": self.plan.peak_bytes_after}
         if differences:
             term = saved_term(differences)
             add_term(self.plan, term)
@@ -203,15 +212,18 @@ class Calibration:
     when the budget is missed. (A plain class: Thunder prints a dataclass constant in the trace field by field.)"""
 
     def __init__(self, plan: ShardPlan, device: str | None, budget_bytes: int | None, agree: Callable[[int], int],
-                 on_miss: Callable[[int], None]):
+                 on_miss: Callable[[int], None], audit: SavedAudit):
         self.plan, self.device, self.budget_bytes, self.agree, self.on_miss = plan, device, budget_bytes, agree, on_miss
-        self.calls, self.done = 0, False
+        self.audit, self.calls, self.done = audit, 0, False
 
     def __call__(self) -> None:
         if self.done:
             return
         self.calls += 1
-        if self.calls < CALIBRATION_CALL:
+        if self.calls == 1:  # the program's first backward: its forward ran this many times in the first step
+            self.audit.counting = False
+            self.plan.runs_per_step = max(self.audit.calls, 1)
+        if self.calls < CALIBRATION_CALL * self.plan.runs_per_step:  # the last backward of the calibration step
             return
         self.done = True
         mine = peak_allocated(self.device)

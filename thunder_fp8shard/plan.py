@@ -162,6 +162,9 @@ class ShardPlan:
     # the device's peak at the calibration step against the prediction
     audit: dict | None = None
     calibration: dict | None = None
+    # the forward calls of this compiled program in the first step, counted at run time (until its first backward):
+    # under ThunderFX one program serves every block of the same class and shapes; None until the first backward
+    runs_per_step: int | None = None
 
     @property
     def k(self) -> int:
@@ -289,6 +292,9 @@ class ShardPlan:
                        f"{fmt_bytes(c['predicted_peak_bytes'])}, error {c['error_bytes']:+,} B "
                        f"({c['error_pct']:+.2f}%)" + (", over the budget: replanned at the next call"
                                                        if c.get("budget_missed") else ""))
+        if self.runs_per_step and self.runs_per_step > 1:
+            out.append(f"this program ran {self.runs_per_step} times in the first step (one subgraph serving "
+                       f"{self.runs_per_step} blocks): its bytes count {self.runs_per_step} times a step")
         return out
 
     def _shard_group_words(self) -> str:

@@ -210,7 +210,7 @@ class ShardIntermediates(Transform):
         audit = SavedAudit(plan, expected_storages(model, plan, new_fw), [getattr(p, "name", "") for p in new_fw.saved
                                                                         if isinstance(p, TensorProxy)])
         calibration = Calibration(plan, program_device(fw), plan.budget_bytes, functools.partial(largest, group=group),
-                                  functools.partial(self._replan, pending.stats))
+                                  functools.partial(self._replan, pending.stats), audit)
         fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
         pending.stand_in.bound_symbols = fw_trace.bound_symbols
         pending.stand_in.set_provenance(fw_trace.get_provenance())

@@ -41,9 +41,16 @@ are bitwise those of the run without the pass, so FSDP2's post-backward reduce-s
 subgraph) sees the same gradients. FSDP2 re-gathers the unsharded parameters themselves before the backward (with
 ``reshard_after_forward=True``); they are subgraph inputs, which the pass never shards.
 
-Dynamo compiles a layer's forward once per layer, grad mode and shape kind (static, then dynamic), all on one code
-object when the layers share a class: past ``torch._dynamo.config.cache_size_limit`` (8) it silently runs the rest
-eagerly, where the pass does not see them. Raise the limit (Thunder's benchmark_litgpt sets 64 for FSDP2).
+Dynamo compiles a layer's forward once per grad mode and shape kind (static, then dynamic), all on one code object
+when the layers share a class: past ``torch._dynamo.config.cache_size_limit`` (8) it silently runs the rest eagerly,
+where the pass does not see them. Raise the limit (Thunder's benchmark_litgpt sets 64 for FSDP2). Under torch 2.11
+Dynamo inlines the built-in modules and reuses one graph for every block of the same class and shapes: one Thunder
+compilation, hence one plan, serves all of them, and runs once a block a step. The pass counts those runs at run time
+(the plan's ``runs_per_step``, see :mod:`thunder_fp8shard.audit`); a step's totals are each plan times its runs.
+
+Each plan sees one subgraph, not the step: its predicted peak is that subgraph's program in the memory the step runs
+in. So ``policy="peak"`` and ``policy="budget"``, which need the step's peak, are refused here with a clear error;
+``policy="all"`` shards every sound candidate and compacts where a copy frees more than it copies.
 
 Detection and the process group: a compilation is this setup when its function is a Dynamo graph (placeholders with
 ``grapharg`` metadata). The group is the shard group of the FSDP2 parameters entering it (``group=`` may name it too
@@ -134,12 +141,26 @@ def unsharded_parameters() -> dict[int, _Owner]:
     return found
 
 
+SUBGRAPH_NOTE = (
+    "under ThunderFX this plan sees one subgraph: its predicted peak is this subgraph's program in the memory the step "
+    "runs in (the other subgraphs' saved tensors are not in it), not the step's peak; Dynamo runs one subgraph for "
+    "every block of the same class and shapes, so its bytes count runs_per_step times a step"
+)
+
+
 def detect(cd, options):
     inputs = dynamo_inputs(getattr(cd, "fn", None))
     if inputs is None:
         return None
     if not dist.is_initialized():
         raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
+    if options.policy != "all":
+        raise ValueError(
+            f"ShardIntermediates: policy={options.policy!r} needs a plan that sees the whole training step, and under "
+            "ThunderFX (FSDP2) each plan sees one subgraph: a block, which Dynamo may run for several blocks a step, "
+            "so no plan can predict the step's peak or keep a budget. Use policy='all' (every sound candidate, and "
+            "every compaction that frees more than it copies)"
+        )
     owners = unsharded_parameters()
     found = {name: owners[id(i.tensor)] for name, i in inputs.items() if i.tensor is not None and id(i.tensor) in owners}
     if not found:
@@ -152,7 +173,7 @@ def detect(cd, options):
         note = ("no FSDP2 parameter enters this subgraph: nothing in it is provably identical on every rank, so nothing "
                 "is sharded (the group is the group= option)")
         return Integration(f"{NAME}, subgraph without FSDP2 parameters", options.group,
-                           input_reasons=lambda trace: _reasons(trace, inputs, {}, set()), notes=(note,))
+                           input_reasons=lambda trace: _reasons(trace, inputs, {}, set()), notes=(note, SUBGRAPH_NOTE))
     first = next(iter(found.values()))  # group= must span its shard group's ranks (checked by integrations.detect)
     roots = {name for name, o in found.items() if o.group is first.group and o.mesh_ranks == first.mesh_ranks}
     hsdp = len(first.mesh_shape) == 2
@@ -160,7 +181,7 @@ def detect(cd, options):
         HSDP_NAME if hsdp else NAME, first.group,
         replicated_inputs=lambda trace: frozenset(n for n in _matching(trace, inputs) if n in roots),
         input_reasons=lambda trace: _reasons(trace, inputs, found, roots),
-        notes=(_hsdp_note(first.mesh_shape, options),) if hsdp else (),
+        notes=(_hsdp_note(first.mesh_shape, options), SUBGRAPH_NOTE) if hsdp else (SUBGRAPH_NOTE,),
         replica_ranks=first.mesh_ranks if hsdp else None,
     )
 

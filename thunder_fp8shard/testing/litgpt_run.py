@@ -41,6 +41,10 @@ class RunConfig:
     verify: bool = False
     sdpa: bool = False  # Thunder's sdpa executor (flash attention: its backward is not bitwise reproducible)
     te: bool = True  # the TransformerEngine executor (off only for CPU dry runs)
+    cat: bool = True  # Thunder's benchmark's torch_compile_cat_ex first (--compile=thunder_inductor_cat; on the CPU its
+    # twin without the CUDA check, thunder_fp8shard.testing.executors)
+    rope: bool = True  # "toy" only: the toy Llama's LitGPT attention with RoPE (under the cat executor: v out of a
+    # torch.compile region as a view of qkv, as in litgpt)
     device: str = "cuda"
     lr: float = 1e-4
     return_grads: bool = False  # return every step's local gradient shards (for bitwise comparisons)
@@ -65,9 +69,15 @@ def litgpt_config(cfg: RunConfig):
     return Config.from_name(cfg.model_name, **over)
 
 
-def _executors(cfg: RunConfig):
+def _executors(cfg: RunConfig, device):
+    """Thunder's benchmark's executors (``--compile=thunder_inductor_cat``): TE's (where used), the cat executor (where
+    ``cfg.cat``), Thunder's defaults (without its sdpa executor unless ``cfg.sdpa``)."""
     import thunder
 
+    from thunder_fp8shard.testing.executors import benchmark_executors
+
+    if cfg.cat:
+        return benchmark_executors(device.type, transformer_engine=cfg.te, sdpa=cfg.sdpa)
     ex = [e for e in thunder.get_default_executors() if cfg.sdpa or e.name != "sdpa"]
     if cfg.te:
         from thunder.executors.transformer_engineex import transformer_engine_ex
@@ -123,7 +133,7 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
         sizes = {k: v for k, v in dict(n_embd=cfg.n_embd, n_head=cfg.n_head, intermediate_size=cfg.intermediate_size,
                                        vocab_size=cfg.vocab_size).items() if v is not None}
         with device:
-            model = FakeFP8Llama(cfg.n_layer, **sizes)
+            model = FakeFP8Llama(cfg.n_layer, rope=cfg.rope, block_size=max(cfg.seq_len, 16), **sizes)
         vocab = model.lm_head.out_features
     else:
         from litgpt.model import GPT
@@ -152,11 +162,15 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
     if cfg.setup == "fsdp2":
         jm = _fsdp2_under_thunderfx(model, cfg, device, transforms)
     else:
-        jm = thunder.jit(model, executors=_executors(cfg), transforms=transforms)
+        jm = thunder.jit(model, executors=_executors(cfg, device), transforms=transforms)
     if cfg.setup == "ddp":
         from thunder.distributed import ddp
 
-        jm = ddp(jm)
+        # ddp broadcasts every parameter from rank 0 in place; gloo with CUDA tensors broadcasts a CPU copy and writes
+        # it back with copy_, which autograd refuses on a leaf that requires grad unless grad mode is off (NCCL
+        # writes in place: users on NCCL need not do this; the test harness runs two gloo ranks on one GPU)
+        with torch.no_grad():
+            jm = ddp(jm)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)
     return RankSetup(jm, opt, sh, device, vocab, n_params)
 
@@ -176,7 +190,7 @@ def _fsdp2_under_thunderfx(model, cfg: RunConfig, device, transforms: list):
     for block in (model.blocks if cfg.model == "toy" else model.transformer.h):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return torch.compile(model, backend=ThunderCompiler(executors=_executors(cfg), transforms=transforms))
+    return torch.compile(model, backend=ThunderCompiler(executors=_executors(cfg, device), transforms=transforms))
 
 
 def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
@@ -219,6 +233,8 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     out = {
         "rank": rank, "world_size": world_size, "n_params": n_params,
         "peak_bytes_per_step": peaks, "peak_bytes": max(peaks[1:] or peaks),
+        # the forward (with the loss) and the backward: what the plan predicts (the optimizer's step is after it)
+        "program_peak_bytes": max(max(p["peak_forward"], p["peak_backward"]) for p in (phases[1:] or phases)),
         "saved_bytes_measured_per_step": saved, "saved_bytes_measured": saved[-1],
         "step_time_s": times, "step_time_median_s_after_first": statistics.median(times[1:] or times),
         "memory_phases_per_step": phases, "losses": losses, "losses_hex": [float(v).hex() for v in losses],
@@ -226,11 +242,17 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     if cfg.return_grads:
         out["grads"] = grads
     if sh is not None and sh.plans:
-        # under FSDP2 one plan a subgraph (a block): the totals are over them all
+        # under FSDP2 one plan a subgraph, and one subgraph can serve several blocks (Dynamo reuses the graph of
+        # blocks of the same class): a step's totals are each training plan times its runs a step (counted at run time)
+        trained = [p for p in sh.plans if p.decisions or p.compactions]
+        runs = [p.runs_per_step or 1 for p in trained]
         out["plans"] = len(sh.plans)
-        out["sharded_total"] = sum(len(p.sharded) for p in sh.plans)
-        out["predicted_saving_total"] = sum(p.saved_bytes_before - p.saved_bytes_after for p in sh.plans)
-        plan = sh.plans[-1]
+        out["runs_per_step"] = runs
+        out["sharded_total"] = sum(len(p.sharded) * r for p, r in zip(trained, runs))
+        out["compacted_total"] = sum(len(p.compacted) * r for p, r in zip(trained, runs))
+        out["predicted_saving_total"] = sum((p.saved_bytes_before - p.saved_bytes_after) * r
+                                            for p, r in zip(trained, runs))
+        plan = max(trained, key=lambda p: len(p.decisions) + len(p.compactions)) if trained else sh.plans[-1]
         out["plan"] = {
             "text": str(plan), "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
             "predicted_saving": plan.saved_bytes_before - plan.saved_bytes_after,
@@ -239,6 +261,8 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             "shard_group_size": plan.k, "gathered_bytes_per_step": plan.gathered_bytes_per_step,
             "predicted_peak_before": getattr(plan, "peak_bytes_before", None),
             "predicted_peak_after": getattr(plan, "peak_bytes_after", None),
+            "compacted": len(plan.compacted), "compacted_bytes": plan.compacted_bytes_per_step,
+            "audit": plan.audit, "calibration": plan.calibration, "runs_per_step": plan.runs_per_step,
             "decisions": [{**asdict(d), "shape": list(d.shape), "bytes_saved": d.bytes_saved} for d in plan.decisions],
         }
         if rank == 0:
