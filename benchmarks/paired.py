@@ -145,7 +145,7 @@ class Arm:
     alone_peak_bytes: int | None = None  # the process's peak while only the arms built so far existed
     before_bytes: int = 0  # allocated bytes when this arm's build began (the arms built before it)
     budget_below_base: int | None = None  # policy "budget": this many bytes under the base's peak (relative_budget)
-    kind: str = "shard"  # the pass: "shard" (ShardIntermediates) or "compact" (CompactSavedViews: compaction alone)
+    which: str = "shard"  # the pass: "shard" (ShardIntermediates) or "compact" (CompactSavedViews: compaction alone)
     build_s: float = 0.0
     first_iteration_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -391,7 +391,7 @@ def timed_iteration(torch, arm: Arm, batch, gc_log: _GcLog) -> dict:
 def build(bl, arm: Arm, kwargs: dict, passes: dict) -> None:
     import torch
 
-    arm.shard = passes[arm.revision, arm.kind](**arm.options) if arm.options is not None else None
+    arm.shard = passes[arm.revision, arm.which](**arm.options) if arm.options is not None else None
     start = time.perf_counter()
     with _pass_appended(bl, arm.shard):
         arm.bench = bl.Benchmark_litGPT(**kwargs)
@@ -455,22 +455,28 @@ def plan_summary(shard) -> dict | None:
     """The plan of the training compilation (the one with the most decisions), as plain data."""
     if shard is None or not shard.plans:
         return None
-    plan = max(shard.plans, key=lambda p: len(p.decisions))
+    plan = max(shard.plans, key=lambda p: len(p.decisions) + len(getattr(p, "compactions", [])))
     fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
+    # under ThunderFX one plan a subgraph, and one subgraph can run for several blocks: totals are plan x runs
+    trained = [p for p in shard.plans if p.decisions or getattr(p, "compactions", [])]
+    runs = [getattr(p, "runs_per_step", None) or 1 for p in trained]
+    total = lambda f: sum(f(p) * r for p, r in zip(trained, runs))  # noqa: E731
     return {
         "text": str(plan), "world_size": plan.world_size, "integration": plan.integration,
         "pass_seconds": plan.pass_seconds, "candidates": len(plan.decisions), "sharded": len(plan.sharded),
         "buckets": len(plan.buckets), "shard_ops": len({b.shard_op for b in plan.buckets}),
-        "sharded_bytes": sum(d.nbytes for d in plan.sharded), "fp8_weight_bytes": sum(d.nbytes for d in fp8 if d.replicated),
+        "sharded_bytes": total(lambda p: sum(d.nbytes for d in p.sharded)),
+        "fp8_weight_bytes": sum(d.nbytes for d in fp8 if d.replicated),
+        "plans": len(trained), "runs_per_step": runs,
         "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
         "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": plan.peak_bytes_after,
         "peak_step_before": _peak_where(plan.timeline_before), "peak_step_after": _peak_where(plan.timeline_after),
         # getattr: a "revision" arm's plan may predate these
-        "gathered_bytes_per_step": getattr(plan, "gathered_bytes_per_step", None),
+        "gathered_bytes_per_step": total(lambda p: getattr(p, "gathered_bytes_per_step", 0)),
         "saving_fraction": getattr(plan, "saving_fraction", (plan.world_size - 1) / plan.world_size),
-        "compactions": len(getattr(plan, "compacted", [])),
-        "compacted_bytes": getattr(plan, "compacted_bytes_per_step", 0),
-        "compaction_freed_bytes": sum(c.freed_bytes for c in getattr(plan, "compacted", [])),
+        "compactions": total(lambda p: len(getattr(p, "compacted", []))),
+        "compacted_bytes": total(lambda p: getattr(p, "compacted_bytes_per_step", 0)),
+        "compaction_freed_bytes": total(lambda p: sum(c.freed_bytes for c in getattr(p, "compacted", []))),
         "budget_bytes": getattr(plan, "budget_bytes", None), "budget_target_bytes": getattr(plan, "budget_target_bytes", None),
         "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in plan.terms],
         "audit": getattr(plan, "audit", None), "calibration": getattr(plan, "calibration", None),
@@ -525,9 +531,9 @@ def run(args, flags: list[str]) -> list[dict]:
     arms = [Arm(name, None if opts is None else {k: v for k, v in opts.items() if k not in ARM_KEYS},
                 None if opts is None else opts.get("revision"),
                 budget_below_base=None if opts is None else opts.get("budget_below_base_bytes"),
-                kind="shard" if opts is None else opts.get("pass", "shard"))
+                which="shard" if opts is None else opts.get("pass", "shard"))
             for name, opts in json.loads(args.arms).items()]
-    if any(a.kind not in ("shard", "compact") or (a.kind == "compact" and a.revision) for a in arms):
+    if any(a.which not in ("shard", "compact") or (a.which == "compact" and a.revision) for a in arms):
         raise SystemExit('--arms: "pass" is "shard" (ShardIntermediates) or "compact" (CompactSavedViews, this '
                          'checkout only)')
     if any(a.budget_below_base is not None for a in arms) and not cuda:

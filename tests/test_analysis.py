@@ -5,7 +5,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.utils import producers
 
-from thunder_fp8shard.candidates import FLOAT8, TENSOR, find_candidates
+from thunder_fp8shard.candidates import FLOAT8, TENSOR, find_candidates, te_quantized_names
 from thunder_fp8shard.replication import analyze_replication
 from thunder_fp8shard.saved import forward_saved
 
@@ -33,14 +33,14 @@ def _from_input(fw, p):
 
 def test_fp8_candidates_are_exactly_the_saved_float8_tensors(fsdp_traces):
     fw, _, _ = fsdp_traces
-    found = find_candidates(fw, "fp8")
+    found = find_candidates(fw, "fp8", te_quantized_names(fw))
     assert {tuple(c.proxy.shape) for c in found} == WEIGHT_SHAPES | ACTIVATION_SHAPES
     assert all(c.kind == FLOAT8 and c.payload_bytes == c.proxy.numel for c in found)  # 1 byte per element
 
 
 def test_all_candidates_adds_the_other_saved_tensors(fsdp_traces):
     fw, _, _ = fsdp_traces
-    found = find_candidates(fw, "all")
+    found = find_candidates(fw, "all", te_quantized_names(fw))
     saved = {p.name for p in forward_saved(fw)[0]}
     assert {c.name for c in found} == saved
     f32 = [c for c in found if c.kind == TENSOR]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from thunder_fp8shard import ShardIntermediates, ShardOptions
+from thunder_fp8shard import CompactSavedViews, ShardIntermediates, ShardOptions
 from thunder_fp8shard.planner import ONE_RANK
 from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
@@ -45,8 +45,10 @@ def test_the_signature_is_shard_options_fields_keyword_only_with_their_defaults(
         (f.name, inspect.Parameter.KEYWORD_ONLY, f.default, f.type) for f in fields
     ]
     assert str(inspect.signature(ShardIntermediates)).startswith("(*, candidates: 'str' = 'fp8', min_bytes: 'int' = 1")
-    doc = ShardIntermediates.__doc__
-    assert all(f"- ``{f.name}``: " in doc for f in fields) and "README" in doc  # each option, briefly
+    doc = ShardIntermediates.__doc__  # the options are written once: the docstring points to them
+    assert "ShardOptions" in doc and "README" in doc and not any(f"- ``{f.name}``: " in doc for f in fields)
+    compact = list(inspect.signature(CompactSavedViews).parameters)
+    assert compact == list(CompactSavedViews.OPTIONS) and set(compact) < {f.name for f in fields}
 
 
 def test_the_readme_shows_the_signature_and_every_option():

@@ -14,7 +14,7 @@ from torch import nn
 
 from thunder_fp8shard.liveness import (
     Life,
-    ShardedGroup,
+    ShardedStorages,
     Step,
     joint_graph,
     program_steps,
@@ -130,7 +130,7 @@ def test_with_sharding_lowers_between_shard_and_gather():
     steps = program_steps(fw, bw)
     lives = storage_lives(fw, bw)
     a = p["a"].name  # saved via its view b; last forward use 2, first backward use 5
-    plan = ShardedGroup("g", (a,), shard_nbytes=16, gathered_nbytes=64, shard_at=2, gather_at=5, first_use=5)
+    plan = ShardedStorages("g", (a,), shard_nbytes=16, gathered_nbytes=64, shard_at=2, gather_at=5, first_use=5)
     sharded = with_sharding(lives, steps, [plan])
     assert sharded[a] == Life(a, (a, p["b"].name), 64, 0, 2)
     assert sharded["g.shard"] == Life("g.shard", (), 16, 2, 5)
@@ -148,7 +148,7 @@ def test_with_sharding_lowers_between_shard_and_gather():
 def test_with_sharding_rejects_impossible_plans(shard_at, gather_at, first_use):
     fw, bw, p = _hand_traces()
     a = p["a"].name  # lives [0, 5]
-    plan = ShardedGroup("g", (a,), 16, 64, shard_at, gather_at, first_use)
+    plan = ShardedStorages("g", (a,), 16, 64, shard_at, gather_at, first_use)
     with pytest.raises(ValueError):
         with_sharding(storage_lives(fw, bw), program_steps(fw, bw), [plan])
 
@@ -156,7 +156,7 @@ def test_with_sharding_rejects_impossible_plans(shard_at, gather_at, first_use):
 def test_a_bucket_is_one_shard_and_one_gathered_buffer_living_to_its_last_members_end():
     steps = tuple(Step(i, "forward" if i < 4 else "backward", f"op{i}") for i in range(8))
     lives = {"u": Life("u", ("u", "u_view"), 40, 0, 5), "v": Life("v", ("v",), 60, 1, 7)}
-    bucket = ShardedGroup("b0", ("u", "v"), shard_nbytes=56, gathered_nbytes=112, shard_at=2, gather_at=4, first_use=5)
+    bucket = ShardedStorages("b0", ("u", "v"), shard_nbytes=56, gathered_nbytes=112, shard_at=2, gather_at=4, first_use=5)
     out = with_sharding(lives, steps, [bucket])
     assert out["u"] == Life("u", ("u", "u_view"), 40, 0, 2) and out["v"] == Life("v", ("v",), 60, 1, 2)
     assert out["b0.shard"] == Life("b0.shard", (), 56, 2, 5)
@@ -224,7 +224,7 @@ def test_plot(tmp_path):
     steps = program_steps(fw, bw)
     lives = storage_lives(fw, bw)
     before = timeline(lives, steps)
-    plan = ShardedGroup("g", (p["a"].name,), shard_nbytes=16, gathered_nbytes=64, shard_at=2, gather_at=5, first_use=5)
+    plan = ShardedStorages("g", (p["a"].name,), shard_nbytes=16, gathered_nbytes=64, shard_at=2, gather_at=5, first_use=5)
     after = timeline(with_sharding(lives, steps, [plan]), steps)
     path = tmp_path / "memory.png"
     fig = plot_timelines(before, after, gathers=[5], title="hand", path=path)

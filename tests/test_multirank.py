@@ -153,5 +153,5 @@ def test_fsdp2_under_thunderfx_is_exact_and_saves_as_planned(world_size, scope, 
             assert (base.saved_bytes[step], shard.saved_bytes[step]) == (before + outside, after + outside)
             assert after < before
         no_grad = [p for i, p in enumerate(shard.plans) if all(i not in s for s in shard.step_plans)]
-        assert len(no_grad) == (3 if no_grad_call else 0) and all(p.decisions == [] and "forward-only" in p.notes[0] for p in no_grad)
+        assert len(no_grad) == (3 if no_grad_call else 0) and all(p.decisions == [] and any("forward-only" in n for n in p.notes) for p in no_grad)
     assert not torch.equal(results[0][0].losses[0], results[1][0].losses[0])

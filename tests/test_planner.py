@@ -4,12 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from thunder_fp8shard.grouping import place, shard_op_nbytes
+from thunder_fp8shard.grouping import place
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.memory_model import MemoryModel, Placement
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import GIVEN, UNKNOWN, Decision, MemoryTerm, ShardPlan
-from thunder_fp8shard.planner import choose, schedule
+from thunder_fp8shard.plan import GIVEN, UNKNOWN, Decision, MemoryTerm, ShardPlan, shard_op_nbytes
+from thunder_fp8shard.grouping import group
+from thunder_fp8shard.planner import choose
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
 # W1 (40 B) is last used in forward at 1 and first in backward at 8: it is live at the peak.
@@ -38,7 +39,7 @@ def _decide(model=MODEL, **options):
 
 
 def _evaluate(chosen, prefetch, bucket_bytes=0):
-    buckets = schedule(chosen, MODEL, prefetch=prefetch, bucket_bytes=bucket_bytes, world_size=2)
+    buckets = group(chosen, MODEL, prefetch=prefetch, bucket_bytes=bucket_bytes, world_size=2)
     return MODEL.evaluate(buckets), tuple(b.gather_at for b in buckets)
 
 
@@ -130,14 +131,14 @@ def test_the_plan_names_the_group_the_shards_travel_on(kind, size, words):
     """The shard group's kind is set by :class:`~thunder_fp8shard.shard_groups.ShardGroups`: the setup's own group
     (comm="shared"), a second group over its ranks (comm="dedicated"), or the pass's subgroups (shard_group_size)."""
     plan = ShardPlan(4, "slice", "all", 1, [], 0, 0, comm="dedicated" if kind == "dedicated" else "shared",
-                     shard_group_size=size, shard_group_kind=kind)
+                     shard_group_size=size, shard_group_origin=kind)
     headline = str(plan).splitlines()[0]
     assert words in headline and "its own process group" not in headline
 
 
 def test_a_bucket_that_would_raise_the_backward_peak_is_not_formed():
     # merged, W2 and W1 would be gathered together at step 6, so 296 B (aligned) live at the spike at step 7
-    buckets = schedule(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, world_size=2)
+    buckets = group(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, world_size=2)
     assert [(b.members, b.shard_op) for b in buckets] == [(("W2",), 0), (("W1",), 1)]
     assert MODEL.evaluate(buckets).peak_bytes == 320
 
@@ -178,14 +179,14 @@ FREE_SOUND = [Decision(n, (512,), "float8_e4m3fn", "float8", 512, True, True, ""
 
 
 def test_buckets_grow_where_the_model_says_it_costs_no_peak():
-    singles = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, world_size=2)
-    merged = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1024, world_size=2)
+    singles = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, world_size=2)
+    merged = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1024, world_size=2)
     assert [b.members for b in singles] == [("W2",), ("W1",)]
     assert [(b.members, b.shard_at, b.gather_at) for b in merged] == [(("W2", "W1"), 2, 8)]
     assert FREE_MODEL.evaluate(merged).peak_bytes == FREE_MODEL.evaluate(singles).peak_bytes == 1000 + 3000 + 512
     # the gathered 1,024 B at steps 8-9 stay below A's peak
     assert FREE_MODEL.evaluate(merged).live_bytes[8] == 1000 + 1024 + 512
-    too_small = schedule(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1023, world_size=2)
+    too_small = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1023, world_size=2)
     assert [b.members for b in too_small] == [("W2",), ("W1",)]
 
 
@@ -197,7 +198,7 @@ def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():
     # the program alone (340 B) is within 380 B; with the 50 resident bytes only sharding W1 (-20 B at the peak) is
     assert d["W1"].sharded and not d["W2"].sharded
     assert notes == ["budget 380 B: planned to 372 B (the budget less its 2% margin); predicted peak 370 B"]
-    assert model.evaluate(schedule([d["W1"]], model, prefetch=0, bucket_bytes=0, world_size=2)).peak_bytes == 370
+    assert model.evaluate(group([d["W1"]], model, prefetch=0, bucket_bytes=0, world_size=2)).peak_bytes == 370
     _, notes = _decide(policy="budget", budget_bytes=100, model=model)
     assert notes == ["budget 100 B cannot be met: planned to 98 B (the budget less its 2% margin), the lowest "
                      "predicted peak is 370 B (over it)"]
@@ -211,17 +212,6 @@ def test_a_budget_planned_without_a_term_of_unknown_size_says_so():
                          "(unknown size): the step can exceed it by that much"]
 
 
-@pytest.mark.parametrize("buckets, ops", [([["W2"], ["W1"]], [0, 1]), ([["W2"], ["W1"]], [0, 0]), ([["W2", "W1"]], [0])])
-def test_the_groupings_fast_timeline_is_the_models(buckets, ops):
-    from thunder_fp8shard.grouping import _LiveBytes
-
-    loss = MemoryTerm("loss", GIVEN, "loss_bytes", ((5, 5, 700),))  # a term outside the program counts too
-    model = replace(FREE_MODEL, terms=(loss,))
-    by_name = {d.name: d for d in FREE_SOUND}
-    placed = place([[by_name[n] for n in b] for b in buckets], ops, model, prefetch=0, world_size=2)
-    assert tuple(_LiveBytes(model, FREE_SOUND)(placed)) == model.evaluate(placed).live_bytes
-
-
 def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
     # B (1,900 B) lives through the end of the backward. Gathered together, W2 and W1 put 4,436 B live at step 8:
     # under A's 4,512 B peak, but within 5% of it, so they stay apart; without B the same merge is free
@@ -230,9 +220,9 @@ def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
     together = place([[FREE_SOUND[1], FREE_SOUND[0]]], [0], model, prefetch=0, world_size=2)
     assert model.evaluate(together).live_bytes[8] == 1000 + 1900 + 1024 + 512 == 4436
     assert model.evaluate(together).peak_bytes == 4512
-    buckets = schedule(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)
+    buckets = group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)
     assert [b.members for b in buckets] == [("W2",), ("W1",)]
     from thunder_fp8shard import grouping
 
     monkeypatch.setattr(grouping, "HEADROOM", 0.0)  # it is the margin that keeps them apart
-    assert [b.members for b in schedule(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]
+    assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]

@@ -7,9 +7,13 @@ from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard import ops
-from thunder_fp8shard.layout import bucket_layout, packed_offsets
-from thunder_fp8shard.rewrite import BucketRequest, ShardOpRequest, operator_calls, rewrite_backward, rewrite_forward
-from thunder_fp8shard.saved import backward_saved, forward_saved
+from thunder_fp8shard.candidates import find_candidates
+from thunder_fp8shard.grouping import place
+from thunder_fp8shard.layout import bucket_layout
+from thunder_fp8shard.memory_model import memory_model
+from thunder_fp8shard.plan import Decision, ShardPlan
+from thunder_fp8shard.rewrite import operator_calls, requests, rewrite_backward, rewrite_forward
+from thunder_fp8shard.saved import backward_saved, forward_saved, tensor_nbytes
 
 WORLD = 2
 
@@ -18,24 +22,28 @@ def _weight_copies(fw):
     return [p for p in forward_saved(fw)[0] if p.dtype == dtypes.float8_e4m3fn and p.shape[0] != 3]
 
 
-def _requests(fw, together: bool, one_op: bool = False):
-    """One bucket and one shard op a tensor; one bucket of all (``together``); or a bucket a tensor, all kept by one
-    shard op (``one_op``)."""
-    copies = _weight_copies(fw)
-    groups = [copies] if together else [[p] for p in copies]
-    sizes = [bucket_layout([p.numel for p in g], WORLD).shard_nbytes for g in groups]
-    if one_op:
-        offsets, total = packed_offsets(sizes)
-        buckets = tuple(BucketRequest(tuple(g), off, n) for g, off, n in zip(groups, offsets, sizes))
-        return [ShardOpRequest(buckets, total)]
-    return [ShardOpRequest((BucketRequest(tuple(g), 0, n),), n) for g, n in zip(groups, sizes)]
+def _plan(fw, bw, prefetch: int, together: bool, one_op: bool = False) -> ShardPlan:
+    """A plan sharding the weight copies: one bucket and one shard op a tensor; one bucket of all (``together``); or
+    a bucket a tensor, all kept by one shard op (``one_op``), placed on the memory model as the planner places them."""
+    copies = {p.name for p in _weight_copies(fw)}
+    candidates = [c for c in find_candidates(fw, "fp8", set()) if c.name in copies]
+    model = memory_model(fw, bw, candidates, tensor_nbytes)
+    decisions = [Decision(c.name, tuple(c.proxy.shape), "float8_e4m3fn", "float8", c.payload_bytes, True, True, "", 0)
+                 for c in sorted(candidates, key=lambda c: model.placements[c.name].first_use)]
+    groups = [decisions] if together else [[d] for d in decisions]
+    ops_of = [0] * len(groups) if one_op or together else list(range(len(groups)))
+    buckets = place(groups, ops_of, model, prefetch=prefetch, world_size=WORLD)
+    return ShardPlan(world_size=WORLD, method="slice", policy="all", prefetch=prefetch, decisions=decisions,
+                     saved_bytes_before=0, saved_bytes_after=0, buckets=buckets)
 
 
 def _rewrite(fsdp_traces, prefetch, together=False, one_op=False):
     fw, bw, group = fsdp_traces
-    new_fw = rewrite_forward(fw, _requests(fw, together, one_op), group=group, world_size=WORLD, method="slice",
-                             verify=False, provenance="fwd test")
-    new_bw, gathers = rewrite_backward(bw, new_fw, group=group, prefetch=prefetch, provenance="bwd test")
+    plan = _plan(fw, bw, prefetch, together, one_op)
+    shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
+    new_fw = rewrite_forward(fw, shard_ops, group=group, world_size=WORLD, method="slice", verify=False,
+                             compactions=compactions, provenance="fwd test")
+    new_bw, gathers = rewrite_backward(bw, new_fw, group=group, provenance="bwd test")
     return fw, bw, new_fw, new_bw, gathers
 
 
@@ -125,7 +133,7 @@ def test_backward_waits_just_before_the_first_consumer_and_gathers_prefetch_ahea
     fused = 0 if prefetch == 0 else 3 - prefetch
     assert operator_calls(new_fw.trace, new_bw) == {
         "fp8shard_shard": 3, "fp8shard_gather_start": 3 - fused, "fp8shard_gather_next": fused,
-        "fp8shard_gather_wait": 3 - fused}
+        "fp8shard_gather_wait": 3 - fused, "fp8shard_compact": 0, "fp8shard_audit": 0, "fp8shard_calibrate": 0}
     assert sum(b.sym is clear_mutable_collection for b in bsyms) >= 3  # saved lists and cotangents are cleared
     _assert_no_use_after_del(new_bw)
     assert new_bw.get_provenance().pss == "bwd test"

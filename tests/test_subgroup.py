@@ -70,7 +70,7 @@ def test_subgroup_shards_are_1_over_k_under_the_fake_process_group():
     for k in (2, 4, 8):
         plan, measured = got[k, None]
         assert (plan.world_size, plan.shard_group_size, plan.shard_ranks) == (8, k, tuple(range(k)))
-        assert plan.shard_group_kind == ("own" if k == 8 else "partition")
+        assert plan.shard_group_origin == ("own" if k == 8 else "partition")
         assert {d.shape for d in plan.sharded} == WEIGHT_SHAPES and len(plan.buckets) == 3
         for d in plan.sharded:
             assert d.shard_nbytes == -(-d.nbytes // k) and f"1/{k}" in d.reason
@@ -105,7 +105,7 @@ def test_subgroup_of_2_under_thunder_fsdp_zero3_over_4_ranks_is_exact():
     results = run_on_ranks(train_with_and_without, 4, cfg)
     for rank, step, (plan,), unplanned, saves in _check_exact_and_as_planned(results, lambda r: [r.plans[:1]] * 2):
         assert unplanned == (0, 0) and saves  # measured == planned, with and without the pass
-        assert (plan.world_size, plan.shard_group_size, plan.shard_group_kind) == (4, 2, "partition")
+        assert (plan.world_size, plan.shard_group_size, plan.shard_group_origin) == (4, 2, "partition")
         assert plan.shard_ranks == ((0, 1) if rank < 2 else (2, 3))
         assert {d.shape for d in plan.sharded} == WEIGHT_SHAPES
         assert all(d.shard_nbytes == -(-d.nbytes // 2) for d in plan.sharded)
@@ -134,7 +134,7 @@ def test_fsdp2_hsdp_2x2_shards_over_the_mesh_shard_dimension_and_is_exact():
         assert len(plans) == 3 and {p.sharded[0].shape for p in plans} == WEIGHT_SHAPES
         for plan in plans:
             assert plan.integration == "FSDP2 HSDP (fully_shard over a 2-D mesh) under ThunderFX"
-            assert (plan.world_size, plan.shard_group_size, plan.shard_group_kind) == (4, 2, "own")
+            assert (plan.world_size, plan.shard_group_size, plan.shard_group_origin) == (4, 2, "own")
             assert plan.shard_ranks == ((0, 1) if rank < 2 else (2, 3))
             assert len(plan.sharded) == 1 and plan.sharded[0].shard_nbytes == -(-plan.sharded[0].nbytes // 2)
             assert "2 x 2 mesh" in plan.notes[0] and "the default" in plan.notes[0]

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from thunder_fp8shard.grouping import shard_op_nbytes
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, AgreedValue, MemoryTerm, ShardPlan
 
 ABSENT = -(1 << 62)  # a slot this rank does not fill: every MAX takes any other rank's value over it
@@ -129,7 +128,7 @@ def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
     issued and waited) and the order the all-gathers are issued in. Steps are the unmodified joint program's, the
     same on every rank; tensor names are left out."""
     nbytes_of = {d.name: d.nbytes for d in plan.decisions}
-    op_nbytes = shard_op_nbytes(plan.buckets)
+    op_nbytes = plan.shard_op_nbytes
     fields = [("world size", str(plan.world_size)), ("shard group size", str(plan.k)), ("method", plan.method),
               ("verify", str(verify)),
               ("process group", plan.comm), ("shard ops", str(len(op_nbytes)))]

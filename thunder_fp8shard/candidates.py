@@ -29,21 +29,27 @@ class Candidate:
         return self.proxy.name
 
 
-def find_candidates(fw: TraceCtx, candidates: str) -> list[Candidate]:
-    """The saved tensors of ``fw`` that are FP8 (``candidates="fp8"``) or all of them (``"all"``), each once."""
-    te_quantized = te_quantized_names(fw)
+def find_candidates(fw: TraceCtx, candidates: str, te_quantized: set[str]) -> list[Candidate]:
+    """The saved tensors of ``fw`` that are FP8 (``candidates="fp8"``) or all of them (``"all"``), each once;
+    ``te_quantized``: :func:`te_quantized_names` of ``fw``."""
     found: dict[str, Candidate] = {}
     for p in forward_saved(fw)[0]:
         if p.name in found:
             continue
         if p.name in te_quantized:
-            # TE keeps one uint8 buffer per saved quantized tensor under DelayedScaling (its transpose): 1 byte/element
-            found[p.name] = Candidate(p, TE_FLOAT8, numel(p))
+            found[p.name] = Candidate(p, TE_FLOAT8, payload_nbytes(p, te_quantized))
         elif p.dtype in dtypes.float_8bit_dtypes:
-            found[p.name] = Candidate(p, FLOAT8, tensor_nbytes(p))
+            found[p.name] = Candidate(p, FLOAT8, payload_nbytes(p, te_quantized))
         elif candidates == "all":
-            found[p.name] = Candidate(p, TENSOR, tensor_nbytes(p))
+            found[p.name] = Candidate(p, TENSOR, payload_nbytes(p, te_quantized))
     return list(found.values())
+
+
+def payload_nbytes(p: TensorProxy, te_quantized: set[str]) -> int:
+    """What ``p`` really occupies: its shape's bytes, but 1 byte an element for a TransformerEngine quantized tensor
+    (TE keeps one uint8 buffer per saved quantized tensor under DelayedScaling, its transpose), whose proxy prints
+    the high-precision dtype."""
+    return numel(p) if p.name in te_quantized else tensor_nbytes(p)
 
 
 def te_quantized_names(trace: TraceCtx) -> set[str]:

@@ -8,8 +8,7 @@ backward use, starting one a bucket and one bucket a shard op; each next one joi
 group stays within ``bucket_bytes``, the shard still has compute to hide behind before its all-gather, and the
 memory model predicts that wherever the grouping holds more bytes than one tensor a bucket would, the step stays
 at least :data:`HEADROOM` below the predicted peak. The margin is the model's accuracy on the device (a merge that
-looks free right under the predicted peak may not be: on Llama-2-7b a rule without it let the first buckets of the
-backward grow, where the device's peak is, and gave up 0.16 GB of the 3.18 GB saving). Near the backward's peak,
+looks free right under the predicted peak may not be; benchmarks/README.md has what a rule without it gave up). Near the backward's peak,
 at its start, the buckets stay small; further on, where activations have been freed, they grow to whole layers.
 
 ``place`` turns a grouping into :class:`~thunder_fp8shard.plan.Bucket`\\ s, as the rewrite will build them.
@@ -22,10 +21,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from thunder_fp8shard.layout import bucket_layout, packed_offsets
-from thunder_fp8shard.liveness import life_spans, span_bytes, with_compaction, with_sharding
-from thunder_fp8shard.memory_model import MemoryModel, compacted_storage
+from thunder_fp8shard.memory_model import MemoryModel
 from thunder_fp8shard.plan import Bucket, Compaction, Decision
-from thunder_fp8shard.resident import term_lives
 
 HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
 
@@ -66,14 +63,6 @@ def place(
     ]
 
 
-def shard_op_nbytes(buckets: Sequence[Bucket]) -> dict[int, int]:
-    """Bytes of each shard op's output (its buckets' shards, packed), by op index."""
-    out: dict[int, int] = {}
-    for b in buckets:
-        out[b.shard_op] = max(out.get(b.shard_op, 0), b.shard_offset + b.shard_nbytes)
-    return out
-
-
 def group(
     chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int,
     compactions: Sequence[Compaction] = (),
@@ -85,7 +74,8 @@ def group(
     build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
-    live_bytes = _LiveBytes(model, order, compactions)
+    base = model.live_bytes(compactions=compactions)  # the step with the compactions made and nothing sharded
+    live_bytes = lambda trial: base + model.change(trial)  # noqa: E731
     reference = live_bytes(build(singles, range(len(singles))))
     ceiling = (1 - HEADROOM) * reference.max()
     fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
@@ -129,22 +119,3 @@ def _free(live: np.ndarray, reference: np.ndarray, ceiling: float) -> bool:
 def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
     """Every bucket still has compute between its shard op and its all-gather."""
     return all(model.compute_steps_between(b.shard_at, b.gather_at) > 0 for b in buckets)
-
-
-class _LiveBytes:
-    """The predicted bytes live at each step for a grouping of ``chosen`` (``MemoryModel.evaluate``'s, vectorised):
-    the lives that sharding does not touch, and the terms besides the program, are summed once; each trial adds
-    only what :func:`~thunder_fp8shard.liveness.with_sharding` makes of the sharded storages (their shortened
-    lives, shards and gathered buffers)."""
-
-    def __init__(self, model: MemoryModel, chosen: Sequence[Decision], compactions: Sequence[Compaction] = ()):
-        self.model, self.n = model, len(model.steps)
-        touched = {model.placements[d.name].life for d in chosen}
-        lives = with_compaction(model.lives, [compacted_storage(c) for c in compactions])
-        untouched = [life for life in lives.values() if life.name not in touched]
-        self.base = span_bytes(life_spans([*untouched, *term_lives(list(model.terms)).values()]), self.n)
-
-    def __call__(self, buckets: list[Bucket]) -> np.ndarray:
-        groups = [self.model.sharded_group(b) for b in buckets]
-        touched = {name: self.model.lives[name] for g in groups for name in g.lives}
-        return self.base + span_bytes(life_spans(with_sharding(touched, self.model.steps, groups).values()), self.n)

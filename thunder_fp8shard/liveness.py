@@ -1,12 +1,12 @@
-"""Liveness and memory model of the joint forward+backward program (pure functions over Thunder traces).
+"""Storage lives of the joint forward+backward program (pure functions over Thunder traces).
 
 The joint program is the forward trace's bound symbols followed by the backward trace's, one ``Step`` each.
 ``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
-into storages (connected components of view edges) and gives each one interval of steps; ``timeline`` sums the
-live bytes per step; ``with_sharding`` models what sharding groups of saved tensors does to the lives, so a planner can
-compare choices before any trace is rewritten. Nothing here mutates a trace. This is the program's own memory; the
-memory the step runs in besides it (parameters held by the caller, optimizer state, workspaces, ...) is
-:mod:`thunder_fp8shard.resident`'s.
+into storages (connected components of view edges) and gives each one interval of steps; ``span_bytes`` sums the
+live bytes per step; ``with_sharding`` and ``with_compaction`` say what sharding buckets of saved tensors, and
+compacting saved views, do to the lives. Nothing here mutates a trace. This is the program's own memory; the memory
+the step runs in besides it (parameters held by the caller, optimizer state, workspaces, ...) is
+:mod:`thunder_fp8shard.resident`'s, and :mod:`thunder_fp8shard.memory_model` puts the two together.
 
 Model (what counts, and for how long):
 
@@ -79,7 +79,7 @@ class Life:
 
 
 @dataclass(frozen=True)
-class ShardedGroup:
+class ShardedStorages:
     """What the sharding pass does to a group of saved storages sharded together (a bucket; the indices are steps
     of the unmodified program)."""
 
@@ -356,7 +356,7 @@ def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
 
 
 def with_sharding(
-    lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedGroup]
+    lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedStorages]
 ) -> dict[str, Life]:
     """The lives after sharding: each group's storages end at ``shard_at``; ``"<group>.shard"``
     (``shard_nbytes``) lives [shard_at, shard_until]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all

@@ -1,15 +1,17 @@
-"""The memory model: the unmodified joint program's storages and steps, where every candidate sits on them, and the
-memory the step runs in besides the program. Plain data, built once per compilation by :func:`memory_model`.
-
-The planner (:mod:`thunder_fp8shard.planner`) and the grouping (:mod:`thunder_fp8shard.grouping`) weigh their
-choices by evaluating it: :meth:`MemoryModel.evaluate` predicts the device timeline when given buckets are sharded,
-from the program's storages (:mod:`thunder_fp8shard.liveness`) plus the terms of :mod:`thunder_fp8shard.resident`,
-so that peaks and budgets are device bytes. Nothing here rewrites a trace.
+"""The memory model: the unmodified joint program's storages and steps, where every candidate sits on them, the
+storages saved views could be compacted out of, and the memory the step runs in besides the program. Plain data,
+built once per compilation by :func:`memory_model`, and the one evaluator of choices: the planner
+(:mod:`thunder_fp8shard.planner`) and the grouping (:mod:`thunder_fp8shard.grouping`) ask it what a set of buckets
+and compactions makes of the live bytes (:meth:`MemoryModel.change`, on the storages they touch alone) and what the
+device holds at each step (:meth:`MemoryModel.live_bytes`, :meth:`MemoryModel.evaluate`: the program's storages of
+:mod:`thunder_fp8shard.liveness` plus the terms of :mod:`thunder_fp8shard.resident`, so that peaks and budgets are
+device bytes). Nothing here rewrites a trace.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,8 +20,8 @@ from thunder.core.trace import TraceCtx
 from thunder_fp8shard.candidates import TE_FLOAT8, Candidate
 from thunder_fp8shard.compaction import compaction_options
 from thunder_fp8shard.liveness import (
-    CompactedStorage, Life, ShardedGroup, Step, Timeline, is_compute, joint_graph, program_steps, storage_lives,
-    storage_of, timeline, uses, with_compaction, with_sharding,
+    CompactedStorage, Life, ShardedStorages, Step, Timeline, is_compute, joint_graph, life_spans, program_steps,
+    span_bytes, storage_lives, storage_of, uses, with_compaction, with_sharding,
 )
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Bucket, Compaction, MemoryTerm
@@ -59,18 +61,48 @@ class MemoryModel:
         """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
-    def evaluate(self, buckets: list[Bucket], compactions: list[Compaction] = (), *, terms: bool = True) -> Timeline:
-        """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planner.schedule`) are
-        sharded and ``compactions`` made (``terms=False``: the program's own tensors only)."""
-        lives = with_sharding(self.lives, self.steps, [self.sharded_group(b) for b in buckets])
-        lives = with_compaction(lives, [compacted_storage(c) for c in compactions])
-        return timeline({**lives, **term_lives(list(self.terms))} if terms else lives, self.steps)
+    def evaluate(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
+                 terms: bool = True) -> Timeline:
+        """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.grouping.group`) are sharded
+        and ``compactions`` made (``terms=False``: the program's own tensors only)."""
+        live = self.live_bytes(buckets, compactions, terms=terms)
+        backward_start = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps))
+        return Timeline(self.steps, tuple(live.tolist()), backward_start)
 
-    def sharded_group(self, b: Bucket) -> ShardedGroup:
+    def live_bytes(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
+                   terms: bool = True) -> np.ndarray:
+        """Bytes live at each step when ``buckets`` are sharded and ``compactions`` made (``terms``: with the memory
+        the step runs in besides the program)."""
+        live = self._program_bytes + self.change(buckets, compactions)
+        return live + self._term_bytes if terms else live
+
+    def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
+        """What sharding ``buckets`` and making ``compactions`` changes in the live bytes at each step, worked out on
+        the storages they touch alone (:func:`~thunder_fp8shard.liveness.with_sharding`,
+        :func:`~thunder_fp8shard.liveness.with_compaction`). Raises ``ValueError`` for a bucket the rewrite cannot
+        build."""
+        if not buckets and not compactions:
+            return np.zeros(len(self.steps), dtype=np.int64)
+        groups = [self.sharded_storages(b) for b in buckets]
+        touched = {name: self.lives[name] for g in groups for name in g.lives}
+        touched.update((c.storage, self.lives[c.storage]) for c in compactions)
+        after = with_compaction(with_sharding(touched, self.steps, groups), [compacted_storage(c) for c in compactions])
+        n = len(self.steps)
+        return span_bytes(life_spans(after.values()), n) - span_bytes(life_spans(touched.values()), n)
+
+    @functools.cached_property
+    def _program_bytes(self) -> np.ndarray:
+        return span_bytes(life_spans(self.lives.values()), len(self.steps))
+
+    @functools.cached_property
+    def _term_bytes(self) -> np.ndarray:
+        return span_bytes(life_spans(term_lives(list(self.terms)).values()), len(self.steps))
+
+    def sharded_storages(self, b: Bucket) -> ShardedStorages:
         """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.liveness.with_sharding`."""
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
-        return ShardedGroup(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
-                            b.first_use, b.shard_until)
+        return ShardedStorages(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
+                               b.first_use, b.shard_until)
 
     @property
     def backward_body_start(self) -> int:

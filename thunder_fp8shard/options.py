@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, fields
 
 CANDIDATE_KINDS = ("fp8", "all")
 COMPACTS = ("auto", "off")
@@ -42,8 +43,7 @@ class ShardOptions:
         grouping holds more bytes (see :mod:`thunder_fp8shard.grouping`): buckets stay one tensor near the
         backward's peak and grow to whole layers further on, so the step runs fewer operators. 0 gives one tensor a
         bucket and a shard op. Default 1 GiB: the headroom rule, not the cap, bounds the groups near the peak, and
-        elsewhere larger groups mean fewer operator calls (on Llama-2-7b a layer's FP8 copies are 202 MB: 256 MiB
-        held a shard op to one layer, 125 calls a step at 32 layers; 1 GiB gives 50 and saves the same bytes).
+        elsewhere larger groups mean fewer operator calls (benchmarks/README.md has the measurements).
     resident_bytes: device bytes alive during the whole step outside the program and its inputs (optimizer state,
         other models). None (the default): measured on the device while the first call compiles (on the CPU: not
         counted); an int replaces that measurement.
@@ -157,3 +157,26 @@ def _shard_group_size(k: object) -> None:
         from thunder_fp8shard.shard_groups import check_size
 
         check_size(k, dist.get_world_size(), "the world")
+
+
+OPTION_NAMES = tuple(f.name for f in fields(ShardOptions))
+
+
+def signature(names: tuple[str, ...] = OPTION_NAMES) -> inspect.Signature:
+    """``(self, *, <names>)``: the options as keyword-only parameters with ShardOptions' defaults and types, for a
+    transform's ``__init__(self, **options)`` (``inspect.signature`` and ``help()`` show it)."""
+    by_name = {f.name: f for f in fields(ShardOptions)}
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=by_name[n].default,
+                                 annotation=by_name[n].type) for n in names]
+    return inspect.Signature(params)
+
+
+def options_from(owner: str, given: dict, names: tuple[str, ...] = OPTION_NAMES) -> ShardOptions:
+    """The validated options of ``owner`` (a transform's name) from its keyword arguments, every one of which must be
+    among ``names``: a TypeError names every unknown one and lists the options (Python's own names one)."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TypeError(f"{owner}: unknown option(s) {unknown}; the options are {list(names)}")
+    return ShardOptions(**given)
+

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from thunder_fp8shard.report import fmt_bytes, table
+
 if TYPE_CHECKING:  # pragma: no cover
     from thunder_fp8shard.liveness import Timeline
 
@@ -151,7 +153,7 @@ class ShardPlan:
     shard_ranks: tuple[int, ...] = ()  # this rank's shard group, global ranks in order
     # the shard group: "own" (the setup's), "dedicated" (a second group over its ranks), "partition" (made by the
     # pass over runs of k consecutive ranks: shard_group_size; see thunder_fp8shard.shard_groups)
-    shard_group_kind: str = "own"
+    shard_group_origin: str = "own"
     # the run-time operator calls the rewritten traces make a step, by operator name (counted in the traces)
     operator_calls: dict[str, int] = field(default_factory=dict)
     # the storages saved views could be compacted out of, taken or not (see thunder_fp8shard.compaction)
@@ -183,6 +185,11 @@ class ShardPlan:
         ThunderFX a step runs one program per subgraph: sum the plans of the step. ``method="reduce_scatter"``
         moves as many again in the forward."""
         return sum((self.k - 1) * b.shard_nbytes for b in self.buckets)
+
+    @property
+    def shard_op_nbytes(self) -> dict[int, int]:
+        """Bytes of each shard op's output (its buckets' shards, packed), by op index."""
+        return shard_op_nbytes(self.buckets)
 
     @property
     def gather_steps(self) -> tuple[int, ...]:
@@ -220,9 +227,7 @@ class ShardPlan:
              "yes" if d.replicated else "no", f"1/{self.k}" if d.sharded else "no", d.reason)
             for d in self.decisions
         ]
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
-        fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
-        if self.shard_group_kind == "none":  # CompactSavedViews: no distributed setup
+        if self.shard_group_origin == "none":  # CompactSavedViews: no distributed setup
             lines = [f"CompactSavedViews plan: no distributed setup, nothing sharded, policy {self.policy}; the pass "
                      f"took {self.pass_seconds:.2f} s"]
         else:
@@ -233,8 +238,7 @@ class ShardPlan:
                 + (f"in {len(self.buckets)} bucket(s) kept by {len({b.shard_op for b in self.buckets})} shard op(s), "
                    f"each of at most {fmt_bytes(self.bucket_bytes)}" if self.bucket_bytes else "one tensor a bucket")
                 + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
-                fmt(header),
-                *(fmt(r) for r in rows),
+                *table(header, rows),
             ]
         lines += [
             *self._compaction_table(),
@@ -269,13 +273,11 @@ class ShardPlan:
                                                                                                c.dtypes)),
                  f"{c.storage_nbytes:,}", f"{c.freed_bytes:,}", f"{c.copied_bytes:,}", "yes" if c.compacted else "no",
                  c.reason) for c in self.compactions]
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
-        fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]  # noqa: E731
         taken = self.compacted
         head = (f"compaction of saved views: {len(taken)} of {len(self.compactions)} storages compacted, "
                 f"{fmt_bytes(sum(c.freed_bytes for c in taken))} freed, {fmt_bytes(self.compacted_bytes_per_step)} "
                 "copied a step")
-        return [head, fmt(header), *(fmt(r) for r in rows)]
+        return [head, *table(header, rows)]
 
     def _run_time_lines(self) -> list[str]:
         """What the run-time checks found (see thunder_fp8shard.audit), once they ran."""
@@ -305,7 +307,7 @@ class ShardPlan:
 
     def _group_words(self) -> str:
         return {"own": "the setup's process group", "dedicated": "a dedicated process group over the setup's ranks",
-                "partition": f"process groups the pass made over runs of {self.k} consecutive ranks"}[self.shard_group_kind]
+                "partition": f"process groups the pass made over runs of {self.k} consecutive ranks"}[self.shard_group_origin]
 
     def _terms_table(self) -> list[str]:
         """The memory model's terms: the program's own peak, then each term outside it with its source."""
@@ -316,8 +318,7 @@ class ShardPlan:
                  "", MODELLED, "liveness of the joint forward+backward program")]
         rows += [(t.name, f"{t.nbytes:,}", t.where(n), t.source, t.how) for t in self.terms]
         header = ("memory model (device bytes per rank)", "bytes", "steps", "source", "how")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-        return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
+        return table(header, rows)
 
     def _agreed_table(self) -> list[str]:
         """The inputs agreed across the ranks before planning: the value planned with against this rank's own."""
@@ -327,8 +328,7 @@ class ShardPlan:
                 for a in self.agreed]
         # over the shard group: the ranks the plan's collectives span
         header = (f"agreed over {self.k} ranks before planning", "rule", "planned with", "this rank's own", "")
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
-        return [("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in [header, *rows]]
+        return table(header, rows)
 
     def plot(self, path=None):
         """The predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure)."""
@@ -342,6 +342,14 @@ class ShardPlan:
         )
 
 
+def shard_op_nbytes(buckets) -> dict[int, int]:
+    """Bytes of each shard op's output (its buckets' shards, packed), by op index."""
+    out: dict[int, int] = {}
+    for b in buckets:
+        out[b.shard_op] = max(out.get(b.shard_op, 0), b.shard_offset + b.shard_nbytes)
+    return out
+
+
 def _peak_where(before, after) -> str:
     if before is None or after is None:
         return ""
@@ -352,11 +360,3 @@ def _fmt_ranks(ranks: tuple[int, ...]) -> str:
     if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return f"ranks {', '.join(map(str, ranks))}"
-
-
-def fmt_bytes(n: int) -> str:
-    """``n`` bytes in words: the largest binary unit it reaches, and the exact count."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit} ({n:,} B)"
-    return f"{n:,} B"

@@ -1,27 +1,30 @@
 """The planner: decides, for every candidate, whether to shard it, and says why. Pure functions over plain data.
 
-``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage);
-``schedule`` groups the sharded tensors into buckets (one all-gather each) and shard ops (see
-:mod:`thunder_fp8shard.grouping`) and places each bucket's shard point, all-gather and first use on the joint
-timeline; ``choose`` applies the policy (all sound candidates, only those lowering the predicted peak, or the least
-all-gather traffic meeting a byte budget) by evaluating the memory model (:mod:`thunder_fp8shard.memory_model`:
-the program's storages plus the memory the step runs in), so that peaks and budgets are device bytes.
+``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage); ``choose``
+applies the policy to the sound candidates and the compaction options (all of them, only those lowering the
+predicted peak, or the fewest bytes moved that meet a byte budget) by asking the memory model
+(:mod:`thunder_fp8shard.memory_model`: the program's storages plus the memory the step runs in), so that peaks and
+budgets are device bytes, and has the chosen tensors grouped into buckets and shard ops
+(:mod:`thunder_fp8shard.grouping`); ``make_plan`` is the pure entry point: from the analysis and the agreed inputs,
+the plan (the choice, its evaluations, the byte accounting).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from thunder_fp8shard import grouping
+from thunder_fp8shard.analysis import Analysis
 from thunder_fp8shard.candidates import Candidate
+from thunder_fp8shard.liveness import storage_of
 from thunder_fp8shard.layout import bucket_layout
-from thunder_fp8shard.liveness import life_spans, span_bytes, with_compaction, with_sharding
-from thunder_fp8shard.memory_model import MemoryModel, compacted_storage
+from thunder_fp8shard.memory_model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import UNKNOWN, Bucket, Compaction, Decision
+from thunder_fp8shard.plan import UNKNOWN, AgreedValue, Bucket, Compaction, Decision, ShardPlan
 from thunder_fp8shard.replication import Replication
 
 
@@ -55,15 +58,36 @@ def soundness(
     return decisions
 
 
-def schedule(
-    chosen: list[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int,
-    compactions: list[Compaction] = (),
-) -> list[Bucket]:
-    """Buckets and shard ops of the chosen tensors, as :mod:`thunder_fp8shard.rewrite` will build them: grouped on the
-    memory model (with ``compactions`` made) by :func:`thunder_fp8shard.grouping.group` (one tensor a bucket when
-    ``bucket_bytes`` is 0)."""
-    return grouping.group(chosen, model, prefetch=prefetch, bucket_bytes=bucket_bytes, world_size=world_size,
-                          compactions=compactions)
+def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header: ShardPlan,
+              agreed: Sequence[AgreedValue] = ()) -> tuple[ShardPlan, list[str]]:
+    """The plan of one compilation (pure): ``analysis`` with the memory terms every rank agreed on, ``options`` with
+    the agreed budget, ``world_size`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
+    setup facts (an empty :class:`ShardPlan`: integration, shard group, notes), ``agreed`` what was agreed. Returns
+    the plan (the choice, its predicted timelines before and after, its byte accounting) and the warnings to give."""
+    model = analysis.model
+    sound = []
+    if analysis.replication is not None:
+        sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, world_size,
+                          model, set(analysis.saved_names))
+    choice = choose(sound, model, options, world_size)
+    buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
+    before, after = model.evaluate(), model.evaluate(buckets, taken)
+    program_before, program_after = model.evaluate(terms=False), model.evaluate(buckets, taken, terms=False)
+    life_of = storage_of(model.lives)
+    saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in analysis.saved_names}.values())
+    saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
+                   + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
+    budget = options.budget_bytes if options.policy == "budget" else None
+    plan = replace(
+        header, decisions=choice.decisions, buckets=buckets, compactions=choice.compactions,
+        saved_bytes_before=saved_before, saved_bytes_after=saved_after,
+        peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
+        program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
+        terms=list(model.terms), timeline_before=before, timeline_after=after, agreed=list(agreed),
+        notes=[*header.notes, *choice.notes], budget_bytes=budget,
+        budget_target_bytes=budget_target(budget) if budget is not None else None,
+    )
+    return plan, choice.warnings
 
 
 @dataclass(frozen=True)
@@ -93,7 +117,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
     notes: list[str] = []
     warnings: list[str] = []
     sched = dict(prefetch=options.prefetch, world_size=world_size)
-    singles = schedule(candidates, model, bucket_bytes=0, **sched)
+    singles = grouping.group(candidates, model, bucket_bytes=0, **sched)
     for b in singles:
         if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
             refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
@@ -119,8 +143,8 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
                          "size): the step can exceed it by that much")
     final = [d if d.name not in refused else replace(d, sharded=False, shard_nbytes=0, reason=refused[d.name]) for d in sound]
     taken = [c for c in compactions if c.compacted]
-    buckets = schedule([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes, compactions=taken,
-                       **sched)
+    buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
+                             compactions=taken, **sched)
     return Choice(final, buckets, compactions, notes, warnings)
 
 
@@ -172,20 +196,13 @@ def _compacted_reason(c: Compaction, model: MemoryModel) -> str:
 
 def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> list[Compaction]:
     """Policy "all": every eligible compaction that does not raise the predicted peak on its own."""
-    base = np.array(model.evaluate([]).live_bytes, dtype=np.int64)
+    base = model.live_bytes()
     out = []
     for c in compactions:
-        if c.compacted and (base + _compaction_delta(model, c)).max() > base.max():
+        if c.compacted and (base + model.change(compactions=[c])).max() > base.max():
             c = replace(c, compacted=False, reason="its copy would raise the predicted peak")
         out.append(c)
     return out
-
-
-def _compaction_delta(model: MemoryModel, c: Compaction) -> np.ndarray:
-    n = len(model.steps)
-    alone = {c.storage: model.lives[c.storage]}
-    after = with_compaction(alone, [compacted_storage(c)])
-    return span_bytes(life_spans(after.values()), n) - span_bytes(life_spans(alone.values()), n)
 
 
 def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
@@ -195,29 +212,23 @@ def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singl
     stops falling (policy "peak") or reaches ``target`` (policy "budget"). Each shard's effect is taken with its
     own gather placement in ``singles`` (one bucket per tensor). Fills ``refused`` with the shards left out; returns
     the storages of the compactions taken and the predicted peak reached."""
-    steps = model.steps
-    base = np.array(model.evaluate([]).live_bytes, dtype=np.int64)
-    items = [(c.storage, c.copied_bytes, _compaction_delta(model, c), "compaction") for c in compactions]
-    for b in singles:
-        (name,) = b.members
-        if name in refused:
-            continue
-        group = model.sharded_group(b)
-        alone = {life: model.lives[life] for life in group.lives}
-        sharded = with_sharding(alone, steps, [group])
-        delta = span_bytes(life_spans(sharded.values()), len(steps)) - span_bytes(life_spans(alone.values()), len(steps))
-        items.append((name, next(d.nbytes for d in candidates if d.name == name), delta, "shard"))
+    base = model.live_bytes()
+    single = {b.members[0]: b for b in singles}
+    # compactions first, then the shards in the candidates' order: the first of equal gains is taken
+    items = [(c.storage, c.copied_bytes, model.change(compactions=[c]), "compaction") for c in compactions]
+    items += [(d.name, d.nbytes, model.change([single[d.name]]), "shard") for d in candidates]
     current, taken = base, set()
-    remaining = [it for it in items if it[3] == "compaction" or any(d.name == it[0] for d in candidates)]
+    remaining = items
     while remaining and (target is None or current.max() > target):
         peak = current.max()
         gains = [(peak - (current + delta).max()) / max(cost, 1) for _, cost, delta, _ in remaining]
         best = int(np.argmax(gains))
         if gains[best] <= 0:
             break
-        name, _, delta, _ = remaining.pop(best)
+        name, _, delta, kind = remaining.pop(best)
         current = current + delta
-        taken.add(name)
+        if kind == "compaction":
+            taken.add(name)
     met = target is not None and current.max() <= target
     for name, _, _, kind in remaining:
         if kind == "shard":

@@ -9,13 +9,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from thunder_fp8shard.liveness import Timeline
-
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
-
-
-def byte_unit(nbytes: int) -> tuple[str, int]:
-    """The largest binary unit (name, bytes) in which ``nbytes`` is at least 1 (bytes for 0)."""
-    return next(((name, size) for name, size in _UNITS if nbytes >= size), _UNITS[-1])
+from thunder_fp8shard.report import byte_unit
 
 
 def plot_timelines(

@@ -49,7 +49,8 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.liveness import Life, forward_return, storage_of
-from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, fmt_bytes
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm
+from thunder_fp8shard.report import fmt_bytes
 from thunder_fp8shard.saved import numel, tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover

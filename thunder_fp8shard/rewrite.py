@@ -1,11 +1,17 @@
-"""The mechanical rewrite: forward keeps one 1/N shard per shard op (one or more buckets) in the saved list, backward
-all-gathers each bucket back.
+"""The mechanical rewrite: forward keeps one 1/N shard per shard op (one or more buckets) in the saved list and
+compact copies of compacted views, backward all-gathers each bucket back; each operator goes where the plan says.
 
-Both functions return new traces (the inputs are not modified) with dels regenerated and a provenance line.
+:func:`requests` turns a plan (:class:`~thunder_fp8shard.plan.ShardPlan`: its buckets, shard ops and compactions,
+placed on the steps of the unmodified joint program) into requests anchored on the traces' bound symbols: a shard op
+right after its step (the last forward use of its members' storages), a compaction right after its step, a bucket's
+wait right before its first backward consumer, its all-gather right before the consumer of the bucket ``prefetch``
+places earlier (or at the start of the backward body). :func:`rewrite_forward` and :func:`rewrite_backward` insert
+them and return new traces (the inputs are not modified) with dels regenerated and a provenance line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
@@ -20,25 +26,31 @@ from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
 from thunder_fp8shard import ops
+from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.saved import backward_saved, forward_saved
 
 
 @dataclass(frozen=True)
 class BucketRequest:
-    """Saved tensors all-gathered together (one all-gather), and where this rank's shard of them lies in its shard
-    op's output."""
+    """Saved tensors all-gathered together (one all-gather), where this rank's shard of them lies in its shard op's
+    output, and where the backward waits for them (right before ``wait_before``) and issues their all-gather (right
+    before ``start_before``; None: at the start of the backward body)."""
 
     members: tuple[TensorProxy, ...]
     shard_offset: int
     shard_nbytes: int
+    wait_before: BoundSymbol
+    start_before: BoundSymbol | None
 
 
 @dataclass(frozen=True)
 class ShardOpRequest:
-    """One forward shard op: the buckets whose shards it keeps in one tensor of ``shard_nbytes`` bytes a rank."""
+    """One forward shard op, right after ``after``: the buckets whose shards it keeps in one tensor of
+    ``shard_nbytes`` bytes a rank."""
 
     buckets: tuple[BucketRequest, ...]
     shard_nbytes: int
+    after: BoundSymbol
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,27 @@ class CompactionRequest:
     after: BoundSymbol
 
 
+def requests(plan: ShardPlan, fw: TraceCtx, bw: TraceCtx, proxy_of: Mapping[str, TensorProxy]
+             ) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
+    """The plan's shard ops (their buckets, in order of first backward use) and compactions as requests anchored on
+    the bound symbols of ``fw`` and ``bw`` (the traces the plan was made on: its steps are their bound symbols, the
+    forward's then the backward's); ``proxy_of`` names the saved tensors."""
+    n_fw = len(fw.bound_symbols)
+    ops_of: dict[int, list[BucketRequest]] = {}
+    after: dict[int, BoundSymbol] = {}
+    for j, b in enumerate(plan.buckets):
+        start = None if j < plan.prefetch else bw.bound_symbols[b.gather_at - n_fw]  # see grouping.place
+        ops_of.setdefault(b.shard_op, []).append(BucketRequest(
+            tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
+            start))
+        after[b.shard_op] = fw.bound_symbols[b.shard_at]
+    nbytes = plan.shard_op_nbytes
+    shard_ops = [ShardOpRequest(tuple(rs), nbytes[op], after[op]) for op, rs in ops_of.items()]
+    compactions = [CompactionRequest(tuple(proxy_of[m] for m in c.members), fw.bound_symbols[c.compact_at])
+                   for c in plan.compacted]
+    return shard_ops, compactions
+
+
 @dataclass(frozen=True)
 class ShardedBucket:
     """What the forward hands to the backward for one bucket."""
@@ -59,6 +92,7 @@ class ShardedBucket:
     shard_offset: int  # this bucket's bytes in ``shard``
     shard_nbytes: int
     restorer: AnyProxy  # saved alongside, in the non-tensor list
+    request: BucketRequest  # where the backward waits for it and issues its all-gather
 
 
 @dataclass(frozen=True)
@@ -75,11 +109,10 @@ def rewrite_forward(
     fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, world_size: int, method: str, verify: bool,
     provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
-    """Inserts each ``fp8shard_shard`` after the last forward use of any member of its buckets and saves its shard
-    (and a restorer per bucket) instead of them; inserts each ``fp8shard_compact`` after its bound symbol and saves
-    the compact copies instead of the views."""
+    """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
+    instead of its buckets' members; inserts each ``fp8shard_compact`` after its bound symbol and saves the compact
+    copies instead of the views."""
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    last_use = _last_forward_use(body, {p.name for op in shard_ops for r in op.buckets for p in r.members})
     position = {id(b): i for i, b in enumerate(body)}
     new = from_trace(fw)
     inserted_after: dict[int, list[BoundSymbol]] = {}
@@ -95,7 +128,7 @@ def rewrite_forward(
             inserted_after.setdefault(position[id(c.after)], []).extend(scope)
             compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
         for op in shard_ops:
-            scope: list[BoundSymbol] = []
+            scope = []
             new.push_scope(scope)
             members = tuple(r.members for r in op.buckets)
             names = tuple(tuple(p.name for p in m) for m in members)
@@ -105,9 +138,9 @@ def rewrite_forward(
                                  f"{spec.shard_nbytes:,} B")
             shard, *restorers = ops.shard(members, spec)
             new.pop_scope()
-            inserted_after.setdefault(max(last_use[n] for m in names for n in m), []).extend(scope)
+            inserted_after.setdefault(position[id(op.after)], []).extend(scope)
             shards.append(shard)
-            sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer)
+            sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer, r)
                         for r, restorer in zip(op.buckets, restorers)]
     new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
 
@@ -125,16 +158,11 @@ def rewrite_forward(
     return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size, tuple(compacted.values()))
 
 
-def rewrite_backward(
-    bw: TraceCtx, handoff: ForwardRewrite, *, group, prefetch: int, provenance: str
-) -> tuple[TraceCtx, list[int]]:
-    """Restores each bucket before the first backward consumer of any of its members, and reads each compacted view
-    from its compact copy.
-
-    The wait (``fp8shard_gather_wait``) goes just before that consumer; the all-gather is issued ``prefetch``
-    buckets earlier: right before the first consumer of the ``prefetch``-th previous bucket, or at the start of the
-    backward. A wait and a start at the same place are one call (``fp8shard_gather_next``). Returns the new trace
-    and, for each gather in issue order, the index of the bound symbol that issues it.
+def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance: str) -> tuple[TraceCtx, list[int]]:
+    """Restores each bucket right before its request's consumer (``fp8shard_gather_wait``) and issues its all-gather
+    where its request says (``fp8shard_gather_start``); a wait and a start at the same place are one call
+    (``fp8shard_gather_next``). Each compacted view is read from its compact copy. Returns the new trace and, for
+    each gather in issue order, the index of the bound symbol that issues it.
     """
     saved_tensors, _ = backward_saved(bw)
     if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) - len(handoff.shards) + sum(
@@ -147,26 +175,22 @@ def rewrite_backward(
                             PrimIDs.UNPACK_KEY)
         and b.sym is not clear_mutable_collection
     ]
+    position = {id(b): i for i, b in enumerate(body)}
     if handoff.compacted:
         swap = {variableify(view): copy for view, copy in handoff.compacted}
         body = [b.from_bsym_swap_proxies(swap) for b in body]
-    first_use = _first_use(body, {p.name for s in handoff.sharded for p in s.originals})
-    # each bucket is restored before the first backward use of any of its members; buckets never used are not
-    starts = [min((first_use[p.name] for p in s.originals if p.name in first_use), default=None) for s in handoff.sharded]
-    order = sorted((i for i, start in enumerate(starts) if start is not None), key=starts.__getitem__)
     new = from_trace(bw)
     before: dict[int, list[BoundSymbol]] = {}
     with tracectx(new):
-        for j, i in enumerate(order):
-            s = handoff.sharded[i]
+        for s in handoff.sharded:  # in order of first backward use
+            r = s.request
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
             handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.world_size, group)
             new.pop_scope()
-            issue_at = starts[order[j - prefetch]] if j >= prefetch else 0
-            before.setdefault(issue_at, []).extend(scope)
+            before.setdefault(0 if r.start_before is None else position[id(r.start_before)], []).extend(scope)
             wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
-            before.setdefault(starts[i], []).append(wait)
+            before.setdefault(position[id(r.wait_before)], []).append(wait)
     new.bound_symbols = [b for i, b in enumerate(body) for b in (*_fused(before.get(i, ())), b)]
     _update_backward_with_new_saved_for_backward(new, handoff.saved)
     out = del_last_used(new, clear_mutable_collections=True)
@@ -212,25 +236,3 @@ def operator_calls(fw: TraceCtx, bw: TraceCtx) -> dict[str, int]:
     """How many times a step the rewritten traces call each run-time operator of the pass, by operator name."""
     mine = (ops.shard, ops.gather_start, ops.gather_next, ops.gather_wait, ops.compact, ops.audit, ops.calibrate)
     return {sym.name: sum(b.sym is sym for t in (fw, bw) for b in t.bound_symbols) for sym in mine}
-
-
-def _last_forward_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:
-    """Index of the last bound symbol (the return excluded) that reads or produces each name."""
-    last: dict[str, int] = {}
-    for i, b in enumerate(body):
-        if b.sym.id == PrimIDs.RETURN:
-            continue
-        for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
-            if p.name in names:
-                last[p.name] = i
-    return last
-
-
-def _first_use(body: list[BoundSymbol], names: set[str]) -> dict[str, int]:
-    first: dict[str, int] = {}
-    for i, b in enumerate(body):
-        for p in b.flat_proxy_args:
-            if p.name in names and p.name not in first:
-                first[p.name] = i
-    return first
-

@@ -30,7 +30,7 @@ class ShardGroup:
 
     group: object  # the process group of the all-gathers (and of the shard op's reduce-scatter or digest check)
     ranks: tuple[int, ...]  # its global ranks, in group order: this rank keeps the shard at its index among them
-    kind: str  # "own": the setup's group; "dedicated": a second group over its ranks (comm="dedicated");
+    origin: str  # "own": the setup's group; "dedicated": a second group over its ranks (comm="dedicated");
     # "partition": this rank's run of a partition the pass made (shard_group_size)
 
     @property

@@ -16,8 +16,6 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable
-from typing import TypeVar
 
 from thunder.core.compile_data import _compile_data, get_compile_data
 from thunder.core.proxies import TensorProxy
@@ -26,25 +24,18 @@ from thunder.core.transform_common import Transform
 
 from thunder_fp8shard import integrations
 from thunder_fp8shard.agreement import agree, check, largest
+from thunder_fp8shard.analysis import analyze
 from thunder_fp8shard.audit import Calibration, SavedAudit, cache_dropper, calibration_term, expected_storages
-from thunder_fp8shard.candidates import find_candidates, te_quantized_names
+from thunder_fp8shard.candidates import te_quantized_names
 from thunder_fp8shard.device_memory import DeviceMemory, has_cublas_gemms, measure, program_device
-from thunder_fp8shard.grouping import shard_op_nbytes
-from thunder_fp8shard.liveness import storage_of
-from thunder_fp8shard.memory_model import MemoryModel, memory_model
-from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.options import OPTION_NAMES, ShardOptions, options_from, signature
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planner import budget_target, choose, soundness
-from thunder_fp8shard.replication import analyze_replication
-from thunder_fp8shard.rewrite import (
-    BucketRequest, CompactionRequest, ShardOpRequest, operator_calls, rewrite_backward, rewrite_forward,
-    with_run_checks,
-)
-from thunder_fp8shard.saved import backward_saved, forward_saved, model_io_names, numel, tensor_nbytes
+from thunder_fp8shard.planner import make_plan
+from thunder_fp8shard.rewrite import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
+from thunder_fp8shard.saved import backward_saved, forward_saved
 from thunder_fp8shard.shard_groups import ShardGroup, ShardGroups
 
 log = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., None])
 
 
 @dataclasses.dataclass
@@ -59,21 +50,7 @@ class _PendingForward:
     # alone, CompactSavedViews)
     shards: ShardGroup | None  # where this rank's shards live and travel
     stats: object = None  # Thunder's compile stats of the function being compiled (its cache)
-
-
-def _unknown_options_named(init: F) -> F:
-    """``init`` raising a TypeError that names every unknown option and lists the options (Python's own names one
-    unknown keyword). ``inspect.signature`` and ``help()`` show ``init``'s own signature (through ``__wrapped__``)."""
-    known = [f.name for f in dataclasses.fields(ShardOptions)]
-
-    @functools.wraps(init)
-    def checked(self, *args, **options):
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"ShardIntermediates: unknown option(s) {unknown}; the options are {known}")
-        return init(self, *args, **options)
-
-    return checked  # type: ignore[return-value]
+    te_names: frozenset[str] = frozenset()  # the forward's TransformerEngine quantized tensors
 
 
 class ShardIntermediates(Transform):
@@ -89,62 +66,20 @@ class ShardIntermediates(Transform):
     whole group. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under
     ThunderFX, of each subgraph), newest last.
 
-    Options, keyword-only, validated at construction by :class:`~thunder_fp8shard.options.ShardOptions` (its
-    docstring and the README's "Options" table say more):
-
-    - ``candidates``: ``"fp8"`` (float8 and TransformerEngine's quantized saved tensors) or ``"all"`` saved tensors.
-    - ``min_bytes``: smaller candidates are left alone.
-    - ``compact``: ``"auto"`` replaces saved views that keep a larger storage alive by compact copies (where that
-      frees more than it copies); ``"off"``.
-    - ``method``: ``"slice"`` (keep this rank's slice, no communication) or ``"reduce_scatter"`` (MAX over the ranks).
-    - ``verify``: at shard time, check with digests that every rank holds the same bytes.
-    - ``policy``: ``"all"`` sound candidates; ``"peak"``: those that lower the predicted peak; ``"budget"``: the
-      least all-gather traffic that brings it to ``budget_bytes``.
-    - ``budget_bytes``: the per-rank device peak for ``policy="budget"`` (``max_memory_allocated``'s figure).
-    - ``prefetch``: how many buckets ahead of its first use each backward all-gather is issued.
-    - ``bucket_bytes``: the most payload bytes one all-gather (a bucket) or one forward shard op handles (0: one
-      tensor each).
-    - ``comm``: ``"shared"``: the shards travel on the setup's process group; ``"dedicated"``: on a second group over
-      its ranks.
-    - ``resident_bytes``: device bytes alive during the step besides the program (None: measured while compiling).
-    - ``optimizer_states``: the optimizer's state tensors per trained parameter (AdamW: 2; None: unknown, left out of
-      the predicted peak; ``policy="budget"`` needs it).
-    - ``loss_bytes``: bytes the loss holds at the start of the backward (None: 2 x the forward's outputs).
-    - ``group``: a process group, for compilations whose setup names none.
-    - ``shard_group_size``: shard over subgroups of this many consecutive ranks (None: the setup's group).
+    Options: keyword-only, the fields of :class:`~thunder_fp8shard.options.ShardOptions` with its defaults
+    (``inspect.signature`` and ``help()`` show them), validated at construction; ShardOptions' docstring and the
+    README's "Options" table say what each does.
     """
 
-    @_unknown_options_named
-    def __init__(
-        self,
-        *,
-        candidates: str = "fp8",
-        min_bytes: int = 1024,
-        compact: str = "auto",
-        method: str = "slice",
-        verify: bool = False,
-        policy: str = "all",
-        budget_bytes: int | None = None,
-        prefetch: int = 1,
-        bucket_bytes: int = 1 << 30,
-        comm: str = "shared",
-        resident_bytes: int | None = None,
-        optimizer_states: int | None = None,
-        loss_bytes: int | None = None,
-        group: object = None,
-        shard_group_size: int | None = None,
-    ):
-        # the parameters are ShardOptions' fields, with its defaults (tests/test_bad_input.py checks it)
-        self.options = ShardOptions(
-            candidates=candidates, min_bytes=min_bytes, compact=compact, method=method, verify=verify, policy=policy,
-            budget_bytes=budget_bytes, prefetch=prefetch, bucket_bytes=bucket_bytes, comm=comm,
-            resident_bytes=resident_bytes, optimizer_states=optimizer_states, loss_bytes=loss_bytes, group=group,
-            shard_group_size=shard_group_size,
-        )
+    def __init__(self, **options):
+        self.options = options_from(type(self).__name__, options, type(self).OPTIONS)
         self.plans: list[ShardPlan] = []
         self._pending: _PendingForward | None = None
         self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
         self._calibration_bytes: int | None = None  # set by a missed budget: planned with from then on
+
+    OPTIONS = OPTION_NAMES
+    __init__.__signature__ = signature(OPTIONS)
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
@@ -172,9 +107,11 @@ class ShardIntermediates(Transform):
         stand_in = from_trace(fw)
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance(f"{type(self).__name__}: forward as compiled, until its backward is planned"))
-        device = measure(fw, transformer_engine=bool(te_quantized_names(fw)), cublas=has_cublas_gemms(fw))
+        te_names = frozenset(te_quantized_names(fw))
+        device = measure(fw, transformer_engine=bool(te_names), cublas=has_cublas_gemms(fw))
         stats = _compile_data.get()[1]
-        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup, shards, stats)
+        self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup, shards, stats,
+                                        te_names)
         return stand_in
 
     def _backward(self, bw: TraceCtx) -> TraceCtx:
@@ -185,30 +122,34 @@ class ShardIntermediates(Transform):
         fw = pending.original
         if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
             raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
-        shards = pending.shards
+        o, setup, shards = self.options, pending.setup, pending.shards
         group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
         world_size = shards.size if shards is not None else 1
-        plan, model, requests = self._plan(fw, bw, pending)
+        extra = (calibration_term(self._calibration_bytes, len(fw.bound_symbols) + len(bw.bound_symbols) - 1),) if (
+            self._calibration_bytes) else ()
+        analysis = analyze(fw, bw, o, setup, pending.device, pending.te_names, extra)  # pure
+        # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
+        agreed = agree(analysis.model.terms, o.budget_bytes, group)
+        plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
+                                world_size, self._empty_plan(setup, shards), agreed.values)  # pure
+        for warning in warns:
+            warnings.warn(f"{type(self).__name__}: {warning}", stacklevel=2)
         if group is not None:
-            check(plan, group, verify=self.options.verify)  # before any collective of the plan
-        o = self.options
-        saved_of = {p.name: p for p in forward_saved(fw)[0]}
-        compactions = [CompactionRequest(tuple(saved_of[m] for m in c.members), fw.bound_symbols[c.compact_at])
-                       for c in plan.compacted]
-        n = sum(len(r.members) for op in requests for r in op.buckets)
-        n_buckets = sum(len(op.buckets) for op in requests)
+            check(plan, group, verify=o.verify)  # before any collective of the plan
+        shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
+        n = sum(len(r.members) for op in shard_ops for r in op.buckets)
         new_fw = rewrite_forward(
-            fw, requests, group=group, world_size=world_size, method=o.method, verify=o.verify,
+            fw, shard_ops, group=group, world_size=world_size, method=o.method, verify=o.verify,
             compactions=compactions,
-            provenance=f"{type(self).__name__}: {n} saved tensors kept as 1/{world_size} shards of {n_buckets} "
-            f"bucket(s) by {len(requests)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
+            provenance=f"{type(self).__name__}: {n} saved tensors kept as 1/{world_size} shards of {len(plan.buckets)} "
+            f"bucket(s) by {len(shard_ops)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
         )
         new_bw, _ = rewrite_backward(
-            bw, new_fw, group=group, prefetch=o.prefetch,
-            provenance=f"{type(self).__name__}: {n_buckets} bucket(s) all-gathered (prefetch {o.prefetch})",
+            bw, new_fw, group=group,
+            provenance=f"{type(self).__name__}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
         )
-        audit = SavedAudit(plan, expected_storages(model, plan, new_fw), [getattr(p, "name", "") for p in new_fw.saved
-                                                                        if isinstance(p, TensorProxy)])
+        audit = SavedAudit(plan, expected_storages(analysis.model, plan, new_fw),
+                           [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
         calibration = Calibration(plan, program_device(fw), plan.budget_bytes, functools.partial(largest, group=group),
                                   functools.partial(self._replan, pending.stats), audit)
         fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
@@ -226,62 +167,16 @@ class ShardIntermediates(Transform):
         cache_dropper(compile_stats)()
 
     def _empty_plan(self, setup: integrations.Integration | None, shards: ShardGroup | None) -> ShardPlan:
+        """The plan's setup facts, nothing decided yet."""
         o = self.options
+        common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=[], saved_bytes_before=0,
+                      saved_bytes_after=0, bucket_bytes=o.bucket_bytes)
         if setup is None:  # compaction alone: no distributed setup
-            return ShardPlan(1, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes, comm="",
-                             integration="", shard_group_size=1, shard_group_kind="none")
-        return ShardPlan(setup.world_size, o.method, o.policy, o.prefetch, [], 0, 0, bucket_bytes=o.bucket_bytes,
-                         comm=o.comm, integration=setup.name, notes=list(setup.notes), shard_group_size=shards.size,
-                         shard_ranks=shards.ranks, shard_group_kind=shards.kind)
-
-    def _plan(self, fw: TraceCtx, bw: TraceCtx, pending: _PendingForward
-              ) -> tuple[ShardPlan, MemoryModel, list[ShardOpRequest]]:
-        # replicated over the setup's whole group; sharded (and laid out) over this rank's shard group
-        o, setup, shards = self.options, pending.setup, pending.shards
-        world_size = shards.size if shards is not None else 1
-        te_names = te_quantized_names(fw)
-        candidates = find_candidates(fw, o.candidates) if setup is not None else []
-        nbytes_of = lambda p: numel(p) if p.name in te_names else tensor_nbytes(p)  # noqa: E731
-        model = memory_model(fw, bw, candidates, nbytes_of, options=o, device=pending.device)
-        if self._calibration_bytes:
-            model = dataclasses.replace(model, terms=(*model.terms, calibration_term(self._calibration_bytes,
-                                                                                     len(model.steps) - 1)))
-        # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
-        agreed = agree(model.terms, o.budget_bytes, shards.group if shards is not None else None)
-        model = dataclasses.replace(model, terms=agreed.terms)
-        o = dataclasses.replace(o, budget_bytes=agreed.budget_bytes)
-        saved_names = {p.name for p in forward_saved(fw)[0]}
-        sound = []
-        if setup is not None:
-            replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
-            sound = soundness(candidates, replication, model_io_names(fw), o, world_size, model, saved_names)
-        choice = choose(sound, model, o, world_size)
-        buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
-        before, after = model.evaluate([]), model.evaluate(buckets, taken)
-        program_before, program_after = model.evaluate([], terms=False), model.evaluate(buckets, taken, terms=False)
-        life_of = storage_of(model.lives)
-        saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in saved_names}.values())
-        saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
-                       + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
-        empty = self._empty_plan(setup, shards)
-        plan = dataclasses.replace(
-            empty, decisions=choice.decisions, saved_bytes_before=saved_before,
-            saved_bytes_after=saved_after, peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
-            program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
-            terms=list(model.terms), timeline_before=before, timeline_after=after, buckets=buckets,
-            agreed=list(agreed.values), notes=[*empty.notes, *choice.notes], compactions=choice.compactions,
-            budget_bytes=o.budget_bytes if o.policy == "budget" else None,
-            budget_target_bytes=budget_target(o.budget_bytes) if o.policy == "budget" else None,
-        )
-        for warning in choice.warnings:
-            warnings.warn(f"{type(self).__name__}: {warning}", stacklevel=3)
-        proxy_of = {c.name: c.proxy for c in candidates}
-        by_op: dict[int, list[BucketRequest]] = {}
-        for b in buckets:
-            by_op.setdefault(b.shard_op, []).append(
-                BucketRequest(tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes))
-        op_nbytes = shard_op_nbytes(buckets)
-        return plan, model, [ShardOpRequest(tuple(rs), op_nbytes[op]) for op, rs in by_op.items()]
+            return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none",
+                             **common)
+        return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=list(setup.notes),
+                         shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin,
+                         **common)
 
     def _record(self, plan: ShardPlan) -> None:
         self.plans.append(plan)
@@ -296,18 +191,20 @@ class CompactSavedViews(ShardIntermediates):
     those of the run without it. Use it as the last transform: ``thunder.jit(model, transforms=[CompactSavedViews()])``.
     ``ShardIntermediates`` compacts too (``compact="auto"``, its default): use one of the two.
 
-    Options (keyword-only): ``min_bytes`` (compactions freeing fewer bytes are left out), ``policy`` (``"all"``: every
-    compaction that does not raise the predicted peak; ``"peak"``: those lowering it; ``"budget"``: the fewest bytes
-    copied that bring it to ``budget_bytes``), and the memory terms ``resident_bytes``, ``optimizer_states``,
-    ``loss_bytes`` as for ``ShardIntermediates``. ``plans`` holds a :class:`~thunder_fp8shard.plan.ShardPlan` per
-    compilation, whose compaction table lists what was compacted and why.
+    Options (keyword-only, as for ``ShardIntermediates``): ``min_bytes`` (compactions freeing fewer bytes are left
+    out), ``policy`` (``"all"``: every compaction that does not raise the predicted peak; ``"peak"``: those lowering
+    it; ``"budget"``: the fewest bytes copied that bring it to ``budget_bytes``), and the memory terms
+    ``resident_bytes``, ``optimizer_states``, ``loss_bytes``. ``plans`` holds a
+    :class:`~thunder_fp8shard.plan.ShardPlan` per compilation, whose compaction table lists what was compacted and
+    why.
     """
 
-    def __init__(self, *, min_bytes: int = 1024, policy: str = "all", budget_bytes: int | None = None,
-                 resident_bytes: int | None = None, optimizer_states: int | None = None,
-                 loss_bytes: int | None = None):
-        super().__init__(min_bytes=min_bytes, policy=policy, budget_bytes=budget_bytes, resident_bytes=resident_bytes,
-                         optimizer_states=optimizer_states, loss_bytes=loss_bytes)
+    OPTIONS = ("min_bytes", "policy", "budget_bytes", "resident_bytes", "optimizer_states", "loss_bytes")
+
+    def __init__(self, **options):
+        super().__init__(**options)
+
+    __init__.__signature__ = signature(OPTIONS)
 
     def _setup(self) -> tuple[None, None]:
         return None, None
