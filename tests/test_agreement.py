@@ -182,17 +182,18 @@ def run_scenarios(rank, world_size, scenarios):
     """Each scenario on this rank: ``(baseline, with the pass)``, or, for a planted plan mismatch, the error's text.
     The scenarios differ only in the pass's options, so one run without the pass is every scenario's baseline.
     Seams are planted for their scenario only."""
+    import thunder_fp8shard.planner as planner
     import thunder_fp8shard.transform as transform
 
     baseline = train(rank, world_size, RunConfig(**BASE, use_pass=False))
     out = {}
     for name, plant, cfg in scenarios:
-        saved = transform.measure, transform.choose
+        saved = transform.measure, planner.choose
         try:
             if plant == "measured":
                 transform.measure = _planted_measure(rank)
-            if plant == "mismatch":
-                transform.choose = _drop_last_bucket_on_the_last_rank(rank, world_size, transform.choose)
+            if plant == "mismatch":  # make_plan asks planner.choose
+                planner.choose = _drop_last_bucket_on_the_last_rank(rank, world_size, planner.choose)
                 try:
                     train(rank, world_size, cfg)
                     out[name] = "no error"
@@ -201,7 +202,7 @@ def run_scenarios(rank, world_size, scenarios):
             else:
                 out[name] = (baseline, train(rank, world_size, cfg))
         finally:
-            transform.measure, transform.choose = saved
+            transform.measure, planner.choose = saved
     return out
 
 

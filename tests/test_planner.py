@@ -70,6 +70,13 @@ def test_policy_budget_takes_the_least_traffic_that_meets_it():
     assert d["W2"].reason == "not needed: the budget is met without it"
 
 
+def test_budget_reports_the_traffic_it_moves_and_a_lower_bound_on_the_least_that_meets_it():
+    choice = choose(SOUND, MODEL, ShardOptions(prefetch=0, optimizer_states=0, policy="budget", budget_bytes=330), 2)
+    # the peak (340 B at step 7) must fall to 323 B: W1 lowers that step by 20 B for its 40 B, so any choice moves at
+    # least 17/20 of 40 B; the greedy moves all of W1's
+    assert choice.traffic == {"moved_bytes": 40, "lower_bound_bytes": 34}
+
+
 def test_budget_already_met_shards_nothing():
     d, notes = _decide(policy="budget", budget_bytes=400)
     assert not any(x.sharded for x in d.values() if x.name != "W3")

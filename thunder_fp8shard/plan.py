@@ -160,6 +160,9 @@ class ShardPlan:
     compactions: list[Compaction] = field(default_factory=list)
     budget_bytes: int | None = None  # policy "budget": the budget every rank planned for (the smallest over the ranks)
     budget_target_bytes: int | None = None  # policy "budget": the predicted peak planned to (the budget less its margin)
+    # policy "budget": the bytes the choice moves a step and a lower bound on what any choice meeting the target must
+    # move ({"moved_bytes", "lower_bound_bytes"}, see thunder_fp8shard.planner.least_traffic)
+    budget_traffic: dict | None = None
     # filled at run time (thunder_fp8shard.audit): what the forward saved at the first call against the model, and
     # the device's peak at the calibration step against the prediction
     audit: dict | None = None
@@ -260,6 +263,12 @@ class ShardPlan:
                 + (f", WITHOUT {len(self.left_out)} term(s) of unknown size:" if self.left_out else "")
             )
             lines += [f"  leaves out the {t.name}: {t.how}" for t in self.left_out]
+        if self.budget_traffic:
+            t = self.budget_traffic
+            bound = t["lower_bound_bytes"]
+            lines.append(f"budget: the choice moves {fmt_bytes(t['moved_bytes'])} a step (shards' payloads, compactions' "
+                         "copies); " + ("no choice meeting the target can move less than "
+                                        f"{fmt_bytes(bound)}" if bound is not None else "no choice can meet the target"))
         lines += self._run_time_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

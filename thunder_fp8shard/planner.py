@@ -84,7 +84,7 @@ def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
         terms=list(model.terms), timeline_before=before, timeline_after=after, agreed=list(agreed),
-        notes=[*header.notes, *choice.notes], budget_bytes=budget,
+        notes=[*header.notes, *choice.notes], budget_bytes=budget, budget_traffic=choice.traffic,
         budget_target_bytes=budget_target(budget) if budget is not None else None,
     )
     return plan, choice.warnings
@@ -100,6 +100,9 @@ class Choice:
     compactions: list[Compaction]
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # policy "budget": the bytes the choice moves a step (shards' payloads, compactions' copies) and a lower bound on
+    # what any choice meeting the budget's target must move (see least_traffic)
+    traffic: dict | None = None
 
 
 def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, world_size: int) -> Choice:
@@ -128,7 +131,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
         compactions = _not_raising_the_peak(compactions, model)
     else:
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
-        taken, lowest = _greedy(candidates, eligible, model, singles, target, refused)
+        taken, lowest, traffic = _greedy(candidates, eligible, model, singles, target, refused)
         met = target is not None and lowest <= target
         left_out = "not needed: the budget is met without it" if met else "does not lower the predicted peak"
         compactions = [c if not c.compacted or c.storage in taken else replace(c, compacted=False, reason=left_out)
@@ -145,7 +148,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
                              compactions=taken, **sched)
-    return Choice(final, buckets, compactions, notes, warnings)
+    return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
 
 
 def _budget_note(budget: int, target: int, before: int, lowest: int) -> str:
@@ -206,34 +209,59 @@ def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> 
 
 
 def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
-            ) -> tuple[set[str], int]:
+            ) -> tuple[set[str], int, dict]:
     """Adds, one at a time, the shard or compaction that lowers the predicted peak most per byte it moves a step (a
     shard: its payload, all-gathered back; a compaction: its copy; compactions first where equal), until the peak
     stops falling (policy "peak") or reaches ``target`` (policy "budget"). Each shard's effect is taken with its
     own gather placement in ``singles`` (one bucket per tensor). Fills ``refused`` with the shards left out; returns
-    the storages of the compactions taken and the predicted peak reached."""
+    the storages of the compactions taken, the predicted peak reached, and the traffic (:func:`least_traffic`)."""
     base = model.live_bytes()
     single = {b.members[0]: b for b in singles}
     # compactions first, then the shards in the candidates' order: the first of equal gains is taken
     items = [(c.storage, c.copied_bytes, model.change(compactions=[c]), "compaction") for c in compactions]
     items += [(d.name, d.nbytes, model.change([single[d.name]]), "shard") for d in candidates]
-    current, taken = base, set()
-    remaining = items
+    current, taken, moved = base, set(), 0
+    remaining = list(items)
     while remaining and (target is None or current.max() > target):
         peak = current.max()
         gains = [(peak - (current + delta).max()) / max(cost, 1) for _, cost, delta, _ in remaining]
         best = int(np.argmax(gains))
         if gains[best] <= 0:
             break
-        name, _, delta, kind = remaining.pop(best)
+        name, cost, delta, kind = remaining.pop(best)
         current = current + delta
+        moved += cost
         if kind == "compaction":
             taken.add(name)
     met = target is not None and current.max() <= target
     for name, _, _, kind in remaining:
         if kind == "shard":
             refused[name] = "not needed: the budget is met without it" if met else "does not lower the predicted peak"
-    return taken, int(current.max())
+    traffic = {"moved_bytes": moved, "lower_bound_bytes": least_traffic(base, target, items) if target is not None
+               else None}
+    return taken, int(current.max()), traffic
+
+
+def least_traffic(base, target: int, items) -> int | None:
+    """A lower bound on the bytes a step any choice among ``items`` (``(name, bytes moved, change, kind)``) must
+    move to bring the predicted peak ``base`` to ``target``: at the step where the peak is, each item lowers the live
+    bytes by a fixed amount, and every choice meeting the target must lower that step by ``peak - target`` at least;
+    the fractional knapsack of that one step (the cheapest bytes per byte lowered first, the last taken in part) is a
+    bound no choice beats. None where even every item together cannot lower that step enough."""
+    at = int(np.argmax(base))
+    need = int(base[at]) - target
+    if need <= 0:
+        return 0
+    gains = sorted(((cost, -int(delta[at])) for _, cost, delta, _ in items if delta[at] < 0),
+                   key=lambda cg: cg[0] / cg[1])
+    bound = 0.0
+    for cost, gain in gains:
+        take = min(1.0, need / gain)
+        bound += take * cost
+        need -= take * gain
+        if need <= 0:
+            return int(math.ceil(bound))
+    return None
 
 
 def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) -> list[str]:
