@@ -101,16 +101,13 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="*", help="configuration names (default: all)")
     a = p.parse_args(argv)
     out = {}
-    for name, n, fields in MLP:
-        if not a.only or name in a.only:
-            out[name] = run_simulated(mlp_fingerprint, n, fields)
-            print(f"{name}: {len(out[name]['plans'])} plan(s)", flush=True)
-    for name, n, fields in LLAMA:
-        if not a.only or name in a.only:
-            out[name] = run_simulated(llama_fingerprint, n, fields)
-            print(f"{name}: {len(out[name]['plans'])} plan(s)", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1, sort_keys=True, default=str)
+    for fingerprint, configs in ((mlp_fingerprint, MLP), (llama_fingerprint, LLAMA)):
+        for name, n, fields in configs:
+            if not a.only or name in a.only:
+                out[name] = run_simulated(fingerprint, n, fields, timeout_s=3600)
+                print(f"{name}: {len(out[name]['plans'])} plan(s)", flush=True)
+                with open(a.out, "w") as f:  # after each configuration: what ran is kept
+                    json.dump(out, f, indent=1, sort_keys=True, default=str)
 
 
 if __name__ == "__main__":

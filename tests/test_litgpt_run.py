@@ -2,7 +2,7 @@
 CPU: the fake-FP8 toy Llama (LitGPT's attention with RoPE) under Thunder's benchmark executors (the cat executor's
 CPU twin first) without TransformerEngine, two gloo ranks, different data per rank. Losses and every gradient of
 three AdamW steps are bitwise equal with and without the pass and non-zero; what the GPU tests assume is asserted
-here too: every block's five weight copies sharded (the lm_head's refused), every block's ``v`` compacted, the
+here too: every block's five weight copies sharded (and the toy's lm_head's), every block's ``v`` compacted, the
 saved bytes falling by exactly the plans' prediction, each plan counted once per run (under FSDP2 one subgraph
 serves both blocks: its plan runs twice a step)."""
 
@@ -27,8 +27,9 @@ def test_litgpt_run_is_exact_under_each_setup_it_builds(setup):
                 "fsdp2": "FSDP2"}[setup]
     run = with_[0]
     assert expected in run["plan"]["text"].splitlines()[0]
-    # each block's qkv, proj, fc_1, fc_2 and mlp_proj weight copies (the lm_head's: no idle interval), each block's v
-    assert run["sharded_total"] == 5 * N_LAYER and run["compacted_total"] == N_LAYER, run["runs_per_step"]
+    # each block's qkv, proj, fc_1, fc_2 and mlp_proj weight copies and the lm_head's (the toy recomputes its
+    # dequantization later in the backward: its all-gather has compute to hide behind), each block's v
+    assert (run["sharded_total"], run["compacted_total"]) == (5 * N_LAYER + 1, N_LAYER), run["runs_per_step"]
     if setup == "fsdp2":  # one Dynamo graph, one Thunder compilation, for both blocks: its plan runs twice a step
         assert sorted(run["runs_per_step"]) == [1, 2], run["runs_per_step"]
     else:
