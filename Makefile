@@ -17,4 +17,4 @@ demo: setup
 	$(PY) -m thunder_fp8shard.demo
 
 test: setup
-	$(PY) -m pytest -q tests --nbmake notebooks
+	$(PY) -m pytest -q tests --nbmake notebooks --durations=25

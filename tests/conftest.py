@@ -36,3 +36,62 @@ def fsdp_traces(single_rank_group):
     entry = thunder.compile_stats(jm).interpreter_cache[0]
     group = thunder.compile_data(jm).process_group_for_ddp
     return entry.computation_traces[-1], entry.backward_traces[-1], group
+
+
+# ---- the gloo ranks of the multi-rank tests --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """The session's gloo worker processes, one :class:`~thunder_fp8shard.testing.harness.RankPool` a world size,
+    started on first use and stopped at the end: ``rank_pools.run(fn, world_size, *args)`` is ``run_on_ranks``
+    without a process start. A rank's failure discards that size's workers (the next call starts new ones)."""
+    from thunder_fp8shard.testing.harness import RankPools
+
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture
+def on_ranks(rank_pools):
+    """``on_ranks(fn, world_size, *args, timeout_s=600)``: as ``run_on_ranks``, on the session's gloo workers."""
+    return rank_pools.run
+
+
+# ---- tiers -----------------------------------------------------------------------------------------------------------
+
+TIERS = ("multirank", "simulated", "gpu", "notebook")  # registered in pyproject.toml; everything else is "unit"
+POOL_FIXTURES = {"rank_pools", "on_ranks"}
+
+
+ORDER = ("unit", "simulated", "multirank", "gpu", "notebook")
+
+
+def _tier(item) -> str:
+    return next(t for t in ORDER if item.get_closest_marker(t))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every item gets its tier: nbmake's notebooks ``notebook``, tests without another tier ``unit`` (select with
+    ``-m unit``, ``-m "not multirank"``, ...); a test on the session's gloo workers must be marked ``multirank``.
+    The tiers run in ``ORDER`` (within one, in the order collected): the in-process tests first, while the rank pool's
+    fork server imports torch and Thunder on the other core."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebook)
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if POOL_FIXTURES & set(getattr(item, "fixturenames", ())) and "multirank" not in tiers:
+            raise pytest.UsageError(f"{item.nodeid} runs on the gloo rank pool: mark it multirank")
+        if not tiers:
+            item.add_marker(pytest.mark.unit)
+    items.sort(key=lambda item: ORDER.index(_tier(item)))
+
+
+def pytest_collection_finish(session):
+    """Starts the rank pool's fork server if a selected test will use it (after collection: the workers import the
+    test modules from the ``sys.path`` of this moment)."""
+    if any(POOL_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
+        from thunder_fp8shard.testing.harness import start_pool_server
+
+        start_pool_server()

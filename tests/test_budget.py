@@ -9,10 +9,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import pytest
 import torch
 
 from thunder_fp8shard.planner import BUDGET_MARGIN, budget_target
-from thunder_fp8shard.testing.harness import run_on_ranks
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
 WIDTHS = (25, 61, 47, 7)
@@ -45,8 +45,9 @@ def planted_peak_run(rank, world_size):
             "baseline": baseline, "warnings": [str(w.message) for w in caught]}
 
 
-def test_a_missed_budget_is_replanned_with_the_measured_error_on_every_rank_alike():
-    results = run_on_ranks(planted_peak_run, 2)
+@pytest.mark.multirank
+def test_a_missed_budget_is_replanned_with_the_measured_error_on_every_rank_alike(on_ranks):
+    results = on_ranks(planted_peak_run, 2)
     for rank, r in enumerate(results):
         run = r["run"]
         assert mismatches(r["baseline"], run) == [], f"rank {rank}"

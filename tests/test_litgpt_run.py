@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 
 from thunder_fp8shard.testing import litgpt_run
-from thunder_fp8shard.testing.harness import run_on_ranks
 
 N_LAYER = 2
 TOY = dict(model="toy", n_layer=N_LAYER, n_embd=64, n_head=4, intermediate_size=96, vocab_size=128, seq_len=16,
            micro_batch_size=2, steps=3, te=False, device="cpu", return_grads=True, extra={"min_bytes": 0})
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("setup", ["zero3", "zero2", "ddp", "fsdp2"])
-def test_litgpt_run_is_exact_under_each_setup_it_builds(setup):
-    without, with_ = (run_on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**TOY, setup=setup, shard=s),
-                                   backend="gloo") for s in (False, True))
+def test_litgpt_run_is_exact_under_each_setup_it_builds(setup, on_ranks):
+    without, with_ = (on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**TOY, setup=setup, shard=s))
+                      for s in (False, True))
     litgpt_run.assert_bitwise_equal_and_nonzero(without, with_, TOY["steps"])
     expected = {"zero3": "Thunder FSDP (ZeRO-3)", "zero2": "Thunder FSDP (ZeRO-2)", "ddp": "Thunder DDP",
                 "fsdp2": "FSDP2"}[setup]

@@ -147,8 +147,7 @@ def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[
     return [torch.equal(x, y) for x, y in zip(back, originals)]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("method", ["slice", "reduce_scatter"])
-def test_a_shard_op_of_two_buckets_round_trips_on_three_ranks(method):
-    from thunder_fp8shard.testing.harness import run_on_ranks
-
-    assert run_on_ranks(_shard_and_gather_on_ranks, 3, method) == [[True, True, True]] * 3
+def test_a_shard_op_of_two_buckets_round_trips_on_three_ranks(method, on_ranks):
+    assert on_ranks(_shard_and_gather_on_ranks, 3, method) == [[True, True, True]] * 3

@@ -3,8 +3,9 @@ gradients must visibly change (which shows the exactness checks can fail)."""
 
 import pytest
 
-from thunder_fp8shard.testing.harness import run_on_ranks
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train, train_with_and_without
+
+pytestmark = pytest.mark.multirank
 
 
 def _with_broken_analysis(job):
@@ -15,8 +16,11 @@ def _with_broken_analysis(job):
         def everything_replicated(trace, group, *roots_and_reasons):
             return Replication(frozenset(p.name for b in trace.bound_symbols for p in b.flat_proxy_outs))
 
-        transform.analyze_replication = everything_replicated
-        return job(rank, world_size, cfg)
+        saved, transform.analyze_replication = transform.analyze_replication, everything_replicated
+        try:
+            return job(rank, world_size, cfg)
+        finally:  # the rank's process may run other functions after this one
+            transform.analyze_replication = saved
 
     return run
 
@@ -29,13 +33,13 @@ def broken_train_with_and_without(rank, world_size, cfg):
     return _with_broken_analysis(train_with_and_without)(rank, world_size, cfg)
 
 
-def test_verify_names_the_divergent_tensor():
+def test_verify_names_the_divergent_tensor(on_ranks):
     cfg = RunConfig(options={"min_bytes": 0, "verify": True}, batch_sizes=(3,), no_grad_call=False)
     with pytest.raises(RuntimeError, match=r"saved tensor 't\d+' is not identical on every rank"):
-        run_on_ranks(broken_train, 2, cfg)
+        on_ranks(broken_train, 2, cfg)
 
 
-def test_sharding_a_per_rank_activation_breaks_gradients():
+def test_sharding_a_per_rank_activation_breaks_gradients(on_ranks):
     cfg = RunConfig(options={"min_bytes": 0}, batch_sizes=(3,), no_grad_call=False)
-    results = run_on_ranks(broken_train_with_and_without, 2, cfg)
+    results = on_ranks(broken_train_with_and_without, 2, cfg)
     assert any("weight" in m for base, shard in results for m in mismatches(base, shard))

@@ -7,7 +7,7 @@ import torch
 from thunder_fp8shard import ShardIntermediates
 from thunder_fp8shard.layout import bucket_layout
 from thunder_fp8shard.shard_groups import partition
-from thunder_fp8shard.testing.harness import run_on_ranks, run_simulated
+from thunder_fp8shard.testing.harness import run_simulated
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
 # every weight numel (61*25, 47*61, 7*47) is odd: the shards are padded for every k > 1
@@ -56,6 +56,7 @@ def _plans_under_fake_pg(rank, world_size, configs):
     return out
 
 
+@pytest.mark.simulated
 def test_subgroup_shards_are_1_over_k_under_the_fake_process_group():
     """Rank 0 of 8 simulated (how the benchmarks measure memory on one GPU): k = 2, 4, 8 keep 1/k of every weight
     copy, over ranks 0..k-1, and the plan's saved bytes are those measured; k = 3 and 16 are refused when
@@ -97,12 +98,13 @@ def _check_exact_and_as_planned(results, plan_of_step):
     assert not torch.equal(results[0][0].losses[0], results[1][0].losses[0])
 
 
-def test_subgroup_of_2_under_thunder_fsdp_zero3_over_4_ranks_is_exact():
+@pytest.mark.multirank
+def test_subgroup_of_2_under_thunder_fsdp_zero3_over_4_ranks_is_exact(on_ranks):
     """4 gloo ranks, subgroups {0, 1} and {2, 3}: every weight copy kept as a 1/2 shard, gathered within its pair;
     losses and gradients bitwise those of the run without the pass; saved bytes as planned."""
     cfg = RunConfig(widths=WIDTHS, batch_sizes=(3, 3), no_grad_call=False,
                     options={"min_bytes": 0, "shard_group_size": 2})
-    results = run_on_ranks(train_with_and_without, 4, cfg)
+    results = on_ranks(train_with_and_without, 4, cfg)
     for rank, step, (plan,), unplanned, saves in _check_exact_and_as_planned(results, lambda r: [r.plans[:1]] * 2):
         assert unplanned == (0, 0) and saves  # measured == planned, with and without the pass
         assert (plan.world_size, plan.shard_group_size, plan.shard_group_origin) == (4, 2, "partition")
@@ -119,12 +121,13 @@ def _kept_outside_the_subgraphs(shard_size, batch):
     return gelu_inputs + padding
 
 
-def test_fsdp2_hsdp_2x2_shards_over_the_mesh_shard_dimension_and_is_exact():
+@pytest.mark.multirank
+def test_fsdp2_hsdp_2x2_shards_over_the_mesh_shard_dimension_and_is_exact(on_ranks):
     """FSDP2 HSDP on a 2 x 2 mesh (replicate x shard) under ThunderFX: the shards default to the mesh's shard
     dimension (ranks {0, 1} and {2, 3}); bitwise exact, FSDP2's reduce-scatter and all-reduce included."""
     cfg = RunConfig(widths=WIDTHS, api="fsdp2", mesh_shape=(2, 2), batch_sizes=(3, 3), no_grad_call=False,
                     options={"min_bytes": 0})
-    results = run_on_ranks(train_with_and_without, 4, cfg)
+    results = on_ranks(train_with_and_without, 4, cfg)
     # the second step hits the cache entries of the first: no new plan, the first step's hold
     step_plans = lambda r: [[r.plans[i] for i in r.step_plans[0]]] * 2  # noqa: E731
     assert all(r[1].step_plans[1] == [] for r in results)

@@ -33,6 +33,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+pytestmark = pytest.mark.gpu
+
 te = pytest.importorskip("transformer_engine.pytorch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)

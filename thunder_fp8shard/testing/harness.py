@@ -1,15 +1,20 @@
 """Runs a function on N real processes on this machine (gloo, or NCCL with one GPU a rank) and collects what each
-rank returns; or on one simulated rank of N (torch's fake process group).
+rank returns; or on one simulated rank of N (torch's fake process group). :func:`run_on_ranks` starts new processes
+for each call; a :class:`RankPool` keeps N gloo processes and runs many functions on them (the tests' way).
 
 Used by the demo, the tests and the notebooks; it is not part of the pass.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import pickle
 import queue
 import socket
+import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -83,6 +88,242 @@ def _rank_main(fn, rank, world_size, port, results, args, backend):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo processes started once, each joining the process group once, that then run function after
+    function: ``pool.run(fn, *args)`` is ``run_on_ranks(fn, world_size, *args)`` without starting processes (a
+    spawned process spends seconds of CPU importing torch and Thunder; the workers are forked from a fork server that
+    imported them once, see :func:`start_pool_server`). Used by the tests (``tests/conftest.py``), as torch's
+    multi-process test cases keep their processes.
+
+    Every rank runs every function, in the order given, so the collectives a function issues (``new_group`` and
+    ``new_subgroups_by_enumeration`` included) match across ranks; a barrier after each function checks that every
+    rank came back. Between functions each worker puts back what a fresh process would have: the environment, the
+    random states of torch and ``random``, grad mode, the default dtype, the thread count, Dynamo's caches and
+    config, and every module global of ``thunder_fp8shard`` a function rebound (a seam a test planted). State a
+    function keeps elsewhere stays: a test that needs a fresh process uses :func:`run_on_ranks`.
+
+    A failure on any rank (an exception, a death, no result in ``timeout_s``) discards the workers: they are killed
+    (the others may wait in a collective for the failed one forever), the rank's error is raised with its traceback
+    (as :func:`run_on_ranks` does), and the next call starts new ones.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo"):
+        if backend != "gloo":
+            raise ValueError(f"RankPool runs gloo ranks only, got backend={backend!r}; use run_on_ranks")
+        self.world_size, self.backend = world_size, backend
+        self.starts = 0  # how many times workers were started (1 + the discards that were followed by a call)
+        self.calls = 0
+        self._procs: list = []
+        self._tasks: list = []
+        self._results = None
+        atexit.register(self.close)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args, timeout_s: float = 600) -> list[Any]:
+        """``[fn(rank, world_size, *args) for rank in range(world_size)]`` on the pool's workers (started if
+        needed). ``fn`` must be importable and return picklable data."""
+        task = pickle.dumps((fn, args))  # here, not in a queue's feeder thread: a pickling error raises in the caller
+        if not self.alive:
+            self._start()
+        self.calls += 1
+        for q in self._tasks:
+            q.put((self.calls, task))
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(out) < self.world_size:
+                try:
+                    call, rank, ok, value = self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive() and r not in out]
+                    if dead:
+                        raise RuntimeError(f"rank {dead[0][0]} exited (code {dead[0][1]}) without a result") from None
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"no result from ranks {sorted(set(range(self.world_size)) - set(out))} in "
+                                           f"{timeout_s} s") from None
+                    continue
+                if not ok:  # the other ranks may wait in a collective for this one: the workers are discarded
+                    raise RuntimeError(f"rank {rank} failed{' to start' if call is None else ''}:\n{value}")
+                out[rank] = pickle.loads(value)
+        except BaseException:
+            self.discard()
+            raise
+        return [out[r] for r in range(self.world_size)]
+
+    def _start(self) -> None:
+        self.discard()
+        ctx = _pool_context()
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_pool_main, args=(r, self.world_size, port, self._tasks[r], self._results),
+                                   name=f"RankPool-{self.world_size}-rank{r}") for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        self.starts += 1
+
+    def discard(self) -> None:
+        """Kills the workers (a later call starts new ones)."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs, self._tasks = [], []
+        if self._results is not None:
+            self._results.close()
+            self._results.cancel_join_thread()
+            self._results = None
+
+    def close(self, timeout_s: float = 10) -> None:
+        """Stops the workers: each leaves the process group and exits (killed if it does not in ``timeout_s``)."""
+        if self.alive:
+            for q in self._tasks:
+                q.put(None)
+            deadline = time.monotonic() + timeout_s
+            for p in self._procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.discard()
+
+
+class RankPools:
+    """One :class:`RankPool` a world size, started on first use. ``pools.run(fn, world_size, *args)`` mirrors
+    :func:`run_on_ranks`. At most ``max_workers`` processes are kept: a pool of another size that would exceed it
+    closes the pools used longest ago first."""
+
+    def __init__(self, max_workers: int | None = None):
+        self.max_workers = max_workers
+        self.pools: dict[int, RankPool] = {}  # in order of last use
+
+    def run(self, fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600) -> list[Any]:
+        pool = self.pools.pop(world_size, None) or RankPool(world_size)
+        self.pools[world_size] = pool
+        if self.max_workers is not None and not pool.alive:
+            for other in list(self.pools.values())[:-1]:
+                if sum(p.world_size for p in self.pools.values() if p.alive) + world_size <= self.max_workers:
+                    break
+                other.close()
+        return pool.run(fn, *args, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+
+# what the fork server imports once, before any worker is forked from it: torch, Thunder, the pass, the test support
+POOL_PRELOAD = ["thunder_fp8shard.testing.harness", "thunder_fp8shard.testing.reference_run",
+                "thunder_fp8shard.testing.litgpt_run"]
+
+
+def _pool_context():
+    """Workers are forked from a fork server that imported torch, Thunder and the pass once (a spawned process takes
+    seconds of CPU to import them; a fork from the server, a fraction of one). Nothing else ran in the server: no
+    thread, no process group, no device. Spawned where there is no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(POOL_PRELOAD)
+    return ctx
+
+
+def start_pool_server() -> None:
+    """Starts the fork server now (it imports in the background), so that the first pool start does not wait for
+    it. The ``sys.path`` of this moment is the workers' (they import the modules the functions they run live in)."""
+    ctx = _pool_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+class _FreshState:
+    """What a worker puts back after each function: as found when its process group was initialized."""
+
+    PACKAGE = "thunder_fp8shard"
+
+    def __init__(self):
+        import random
+
+        # the pass (this module's package) is imported; the test support too, before the first function, so that a
+        # seam a function plants in it is undone as well
+        import thunder_fp8shard.testing.litgpt_run  # noqa: F401
+        import thunder_fp8shard.testing.reference_run  # noqa: F401
+
+        self.environ = dict(os.environ)
+        self.torch_rng = torch.get_rng_state()
+        self.random = random.getstate()
+        self.dtype = torch.get_default_dtype()
+        self.threads = torch.get_num_threads()
+        self.dynamo_config = self._dynamo_config()
+
+    @staticmethod
+    def _dynamo_config():
+        import torch._dynamo
+
+        return torch._dynamo.config.save_config()
+
+    def globals_before(self) -> dict[str, dict[str, Any]]:
+        return {name: dict(vars(m)) for name, m in list(sys.modules.items())
+                if m is not None and (name == self.PACKAGE or name.startswith(self.PACKAGE + "."))}
+
+    def restore(self, globals_before: dict[str, dict[str, Any]]) -> None:
+        import random
+
+        import torch._dynamo
+
+        for name, before in globals_before.items():  # rebound or deleted globals only: new names may be submodules
+            now = vars(sys.modules[name])
+            for k, v in before.items():
+                if now.get(k, _MISSING) is not v:
+                    now[k] = v
+        if dict(os.environ) != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.random)
+        torch.set_grad_enabled(True)
+        torch.set_default_dtype(self.dtype)
+        torch.set_num_threads(self.threads)
+        torch._dynamo.reset()
+        torch._dynamo.config.load_config(self.dynamo_config)
+
+
+_MISSING = object()
+
+
+def _pool_main(rank, world_size, port, tasks, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fresh = _FreshState()
+        gc.collect()
+        gc.freeze()  # what is imported stays: the collector skips it (a tenth of a Thunder compilation's time)
+    except BaseException:
+        results.put((None, rank, False, traceback.format_exc()))
+        return
+    while (item := tasks.get()) is not None:
+        call, task = item
+        globals_before = fresh.globals_before()
+        try:
+            fn, args = pickle.loads(task)
+            value = pickle.dumps(fn(rank, world_size, *args))
+            dist.barrier()  # every rank came back: no collective of this function is left unmatched
+            results.put((call, rank, True, value))
+        except BaseException:  # reported, then this worker waits to be killed (the parent discards the pool)
+            results.put((call, rank, False, traceback.format_exc()))
+        finally:
+            fresh.restore(globals_before)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # every result was taken: skip the interpreter's slow teardown of torch and Thunder
 
 
 def _free_port() -> int:

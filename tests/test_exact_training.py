@@ -5,8 +5,9 @@ with a new input shape between them."""
 import pytest
 import torch
 
-from thunder_fp8shard.testing.harness import run_on_ranks
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
+
+pytestmark = pytest.mark.multirank
 
 # every weight numel (61*25, 47*61, 7*47) is odd and not a multiple of 3: shards are padded for N = 2, 3 and 4
 WIDTHS = (25, 61, 47, 7)
@@ -39,8 +40,8 @@ def _check_saved_bytes_drop_as_planned(results):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_exact_gradients_and_saved_bytes(world_size):
-    results = run_on_ranks(train_with_and_without, world_size, RunConfig(widths=WIDTHS, options={"min_bytes": 0}))
+def test_exact_gradients_and_saved_bytes(world_size, on_ranks):
+    results = on_ranks(train_with_and_without, world_size, RunConfig(widths=WIDTHS, options={"min_bytes": 0}))
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
@@ -52,9 +53,9 @@ def test_exact_gradients_and_saved_bytes(world_size):
 LARGE_BATCHES = (256, 320, 256)
 
 
-def test_reduce_scatter_method_into_a_shared_shard_op_is_exact():
+def test_reduce_scatter_method_into_a_shared_shard_op_is_exact(on_ranks):
     options = {"min_bytes": 0, "method": "reduce_scatter", "prefetch": 0}
-    results = run_on_ranks(train_with_and_without, 3, RunConfig(widths=WIDTHS, batch_sizes=LARGE_BATCHES, options=options))
+    results = on_ranks(train_with_and_without, 3, RunConfig(widths=WIDTHS, batch_sizes=LARGE_BATCHES, options=options))
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
@@ -62,21 +63,21 @@ def test_reduce_scatter_method_into_a_shared_shard_op_is_exact():
     assert plan.comm == "shared"
 
 
-def test_thunder_distributed_fsdp_api_verify_and_a_size_cap():
+def test_thunder_distributed_fsdp_api_verify_and_a_size_cap(on_ranks):
     # in order of first backward use (the recomputed dequantizations come first) the weight copies hold 1,525,
     # 2,867 and 329 bytes: a 3,200-byte cap keeps the first two in shard ops of their own
     options = {"min_bytes": 0, "verify": True, "prefetch": 2, "bucket_bytes": 3200, "comm": "dedicated"}
     cfg = RunConfig(widths=WIDTHS, batch_sizes=LARGE_BATCHES, api="fsdp", options=options)
-    results = run_on_ranks(train_with_and_without, 2, cfg)
+    results = on_ranks(train_with_and_without, 2, cfg)
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
     assert [(b.nbytes, b.shard_op) for b in plan.buckets][:2] == [(1525, 0), (2867, 1)] and plan.comm == "dedicated"
 
 
-def test_all_candidates_shards_the_gathered_full_precision_weights_too():
+def test_all_candidates_shards_the_gathered_full_precision_weights_too(on_ranks):
     cfg = RunConfig(widths=WIDTHS, options={"min_bytes": 64, "candidates": "all"})
-    results = run_on_ranks(train_with_and_without, 2, cfg)
+    results = on_ranks(train_with_and_without, 2, cfg)
     plan = results[0][1].plans[0]
     sharded = {(d.shape, d.dtype) for d in plan.sharded}
     assert {(s, "float8_e4m3fn") for s in WEIGHT_SHAPES} <= sharded
@@ -87,9 +88,9 @@ def test_all_candidates_shards_the_gathered_full_precision_weights_too():
     _check_saved_bytes_drop_as_planned(results)
 
 
-def test_peak_policy_is_exact_and_never_raises_the_predicted_peak():
+def test_peak_policy_is_exact_and_never_raises_the_predicted_peak(on_ranks):
     cfg = RunConfig(widths=WIDTHS, batch_sizes=(3,), no_grad_call=False, options={"min_bytes": 0, "policy": "peak"})
-    results = run_on_ranks(train_with_and_without, 2, cfg)
+    results = on_ranks(train_with_and_without, 2, cfg)
     for rank, (base, shard) in enumerate(results):
         assert mismatches(base, shard) == [], f"rank {rank}"
         plan = shard.plans[0]
@@ -101,12 +102,12 @@ def test_peak_policy_is_exact_and_never_raises_the_predicted_peak():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("setup", ["zero2", "ddp"])
-def test_zero2_and_ddp_are_exact_and_save_as_planned(setup, world_size):
+def test_zero2_and_ddp_are_exact_and_save_as_planned(setup, world_size, on_ranks):
     """Thunder FSDP ZeRO-2 and Thunder DDP: the weight copies are identical on every rank there too (gathered
     weights; DDP's replicated parameters), so the same three are sharded, exactly."""
     cfg = RunConfig(widths=WIDTHS, options={"min_bytes": 0}, **(
         {"sharding_strategy": "ZERO2"} if setup == "zero2" else {"api": "ddp"}))
-    results = run_on_ranks(train_with_and_without, world_size, cfg)
+    results = on_ranks(train_with_and_without, world_size, cfg)
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
@@ -126,14 +127,15 @@ def _kept_outside_the_subgraphs(world_size, batch):
     "world_size, scope, strategy, no_grad_call, options",
     [(2, "model", "ZERO3", True, {}), (3, "layers", "ZERO2", False, {"verify": True, "comm": "dedicated", "prefetch": 0})],
 )
-def test_fsdp2_under_thunderfx_is_exact_and_saves_as_planned(world_size, scope, strategy, no_grad_call, options):
+def test_fsdp2_under_thunderfx_is_exact_and_saves_as_planned(world_size, scope, strategy, no_grad_call, options,
+                                                             on_ranks):
     """PyTorch FSDP2 (fully_shard on every layer and the model) compiled by ThunderFX, the whole model (Thunder's
     benchmark_litgpt) or each layer (torchtitan): one subgraph per layer, each planned on its own; the FP8 copy of its
     all-gathered weight is sharded, everything derived from the rank's input is refused as per-rank. Bitwise equal to
     the same run without the pass, gradients after FSDP2's reduce-scatter included."""
     cfg = RunConfig(widths=WIDTHS, api="fsdp2", compile_scope=scope, sharding_strategy=strategy,
                     no_grad_call=no_grad_call, options={"min_bytes": 0, **options})
-    results = run_on_ranks(train_with_and_without, world_size, cfg)
+    results = on_ranks(train_with_and_without, world_size, cfg)
     for rank, (base, shard) in enumerate(results):
         assert mismatches(base, shard) == [], f"rank {rank}"
         for step_grads in shard.grads:
