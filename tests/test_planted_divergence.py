@@ -10,17 +10,17 @@ pytestmark = pytest.mark.multirank
 
 def _with_broken_analysis(job):
     def run(rank, world_size, cfg):
-        import thunder_fp8shard.transform as transform
+        import thunder_fp8shard.analysis as analysis
         from thunder_fp8shard.replication import Replication
 
         def everything_replicated(trace, group, *roots_and_reasons):
             return Replication(frozenset(p.name for b in trace.bound_symbols for p in b.flat_proxy_outs))
 
-        saved, transform.analyze_replication = transform.analyze_replication, everything_replicated
+        saved, analysis.analyze_replication = analysis.analyze_replication, everything_replicated
         try:
             return job(rank, world_size, cfg)
         finally:  # the rank's process may run other functions after this one
-            transform.analyze_replication = saved
+            analysis.analyze_replication = saved
 
     return run
 
