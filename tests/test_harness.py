@@ -20,11 +20,11 @@ def _plant_state(rank, world_size):
     random state, grad mode. Returns this process's id and its first random draw."""
     import torch.distributed as dist
 
-    import thunder_fp8shard.transform as transform
+    import thunder_fp8shard.analysis as analysis
 
     first = torch.rand(3)
     os.environ["FP8SHARD_PLANTED"] = str(rank)
-    transform.analyze_replication = "planted"
+    analysis.analyze_replication = "planted"  # the seam tests/test_planted_divergence.py plants
     torch.set_grad_enabled(False)
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
@@ -32,11 +32,11 @@ def _plant_state(rank, world_size):
 
 
 def _read_state(rank, world_size):
-    import thunder_fp8shard.transform as transform
+    import thunder_fp8shard.analysis as analysis
     from thunder_fp8shard.replication import analyze_replication
 
     return (os.getpid(), torch.rand(3), os.environ.get("FP8SHARD_PLANTED"),
-            transform.analyze_replication is analyze_replication, torch.is_grad_enabled())
+            analysis.analyze_replication is analyze_replication, torch.is_grad_enabled())
 
 
 def test_the_pool_reuses_its_processes_and_each_function_finds_a_fresh_state(on_ranks):
