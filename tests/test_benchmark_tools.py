@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import profile_summary  # noqa: E402
 import thunder_litgpt  # noqa: E402
-from benchlib import revisions, stats  # noqa: E402
+from benchlib import revisions, stats, steps  # noqa: E402
 
 
 def _k(name, ts, dur, stream, corr):
@@ -69,7 +69,7 @@ def test_comparison_takes_medians_and_merges_interleaved_halves(tmp_path):
 def test_garbage_collections_are_charged_to_their_iterations():
     starts = [10.0, 10.5, 11.0, 11.5]  # three iterations, then the end of the last
     collections = [(9.0, 2, 0.3), (10.1, 0, 0.001), (10.6, 2, 0.25), (10.9, 1, 0.01), (11.6, 2, 1.0)]
-    got = thunder_litgpt.gc_per_iteration(starts, collections)
+    got = steps.gc_per_iteration(starts, collections)
     assert got["iteration_gc_ms"] == pytest.approx([1.0, 260.0, 0.0])  # before the first and after the last: none
     assert got["full_collection_iterations"] == [1]
 
