@@ -1,7 +1,9 @@
 """The headline benchmark: Thunder's own ``thunder/benchmarks/benchmark_litgpt.py`` with and without the pass.
 
 Thunder's installed benchmark runs unchanged. With the pass, the only change is made at run time: while the
-benchmark compiles its model, ``thunder.jit`` gets ``ShardIntermediates(**options)`` appended to its ``transforms``.
+benchmark compiles its model, ``thunder.jit`` (and ``ThunderCompiler``, under ``--compile=dynamo``) gets
+``ShardIntermediates(**options)`` appended to its ``transforms`` (``benchlib.patches.pass_appended``, as in
+``paired.py``).
 Each side runs in its own ``torchrun`` launch, in the order given (e.g. ``without,with,without,with``), with the same
 flags. Optionally one iteration before the timed window (``--profile-iter``) is profiled with ``torch.profiler``;
 the profiled iteration is not timed by Thunder's benchmark, so the figures it reports are not disturbed.
@@ -35,7 +37,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchlib import ROOT
+from benchlib.patches import pass_appended
+from benchlib.reporting import flag, nvidia_smi, plan_summary, split_argv
+from benchlib.steps import GcLog, gc_per_iteration
 
 
 # ---- the worker: one rank of one run, inside torchrun ---------------------------------------------------------------
@@ -70,37 +75,6 @@ class _IterationClock:
         return next(self.it)
 
 
-class _GcLog:
-    """Python's garbage collections while the benchmark runs: ``(start, generation, seconds)`` each. A full
-    collection walks every tracked object of the process (Thunder's traces of a 32-layer model are millions), so it
-    can stall one iteration of a CPU-bound step; this tells such stalls from the pass's cost."""
-
-    def __init__(self):
-        self.collections: list[tuple[float, int, float]] = []
-        self._start: float | None = None
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self.collections.append((self._start, info["generation"], time.perf_counter() - self._start))
-            self._start = None
-
-
-def gc_per_iteration(starts: list[float], collections: list[tuple[float, int, float]]) -> dict:
-    """Milliseconds of garbage collection in each iteration (``starts``: the iterations' start times and the end of
-    the last), and the full (generation 2) collections' iterations."""
-    ms, full = [0.0] * (len(starts) - 1), []
-    for at, generation, seconds in collections:
-        i = next((k for k in range(len(ms)) if starts[k] <= at < starts[k + 1]), None)
-        if i is None:
-            continue
-        ms[i] += seconds * 1e3
-        if generation == 2:
-            full.append(i)
-    return {"iteration_gc_ms": ms, "full_collection_iterations": full}
-
-
 def split_cores(cpus: list[int], core_of: dict[int, int], n: int) -> list[list[int]]:
     """``cpus`` split into ``n`` sets of whole physical cores (``core_of``: cpu -> its core; SMT siblings share a
     core), as evenly as possible: no two ranks share a core, so one rank's Python cannot slow the other's."""
@@ -133,7 +107,6 @@ def worker(args, flags: list[str]) -> None:
     if args.pin_cores:
         pinned = _pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     import torch
-    import thunder
     import thunder.benchmarks.benchmark_litgpt as bl
     from jsonargparse import CLI
 
@@ -143,19 +116,7 @@ def worker(args, flags: list[str]) -> None:
     shard = ShardIntermediates(**json.loads(args.options)) if args.side == "with" else None
     clock: dict[str, _IterationClock] = {}
 
-    setup_compile, train = bl.Benchmark_litGPT.setup_compile, bl.Benchmark_litGPT.train
-
-    def setup_compile_with_pass(self, model):
-        real_jit = thunder.jit
-
-        def jit(fn, *a, transforms=None, **kw):
-            return real_jit(fn, *a, transforms=[*(transforms or []), shard], **kw)
-
-        thunder.jit = jit
-        try:
-            return setup_compile(self, model)
-        finally:
-            thunder.jit = real_jit
+    train = bl.Benchmark_litGPT.train
 
     def timed_train(self):
         trace = os.path.join(args.workdir, f"trace_rank{rank}.json") if args.profile_iter is not None and rank == 0 else None
@@ -165,15 +126,14 @@ def worker(args, flags: list[str]) -> None:
         finally:
             clock["c"].starts.append(time.perf_counter())  # the end of the last iteration
 
-    if shard is not None:
-        bl.Benchmark_litGPT.setup_compile = setup_compile_with_pass
     bl.Benchmark_litGPT.train = timed_train
     torch.set_float32_matmul_precision("high")  # as Thunder's __main__
     metrics_path = os.path.join(args.workdir, "metrics.json")
-    gc_log = _GcLog()
+    gc_log = GcLog()
     gc.callbacks.append(gc_log)
     try:
-        CLI(bl.benchmark_main, args=[*flags, "--return_metrics_as_json=true", f"--json_path={metrics_path}"])
+        with pass_appended(bl, shard):
+            CLI(bl.benchmark_main, args=[*flags, "--return_metrics_as_json=true", f"--json_path={metrics_path}"])
     finally:
         gc.callbacks.remove(gc_log)
         if bl.world_size and bl.world_size > 1:
@@ -188,33 +148,10 @@ def worker(args, flags: list[str]) -> None:
     if shard is not None:
         import thunder_fp8shard
 
-        extra["plan"] = plan_summary(shard.plans)
+        extra["plan"] = plan_summary(shard)
         extra["pass_module"] = thunder_fp8shard.__file__
     with open(os.path.join(args.workdir, "extra.json"), "w") as f:
         json.dump(extra, f)
-
-
-def plan_summary(plans) -> dict:
-    """What the pass did in the run: the plan of the training cache entry (the one with the most decisions)."""
-    plan = max(plans, key=lambda p: len(p.decisions))
-    fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
-    return {
-        "text": str(plan), "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
-        # older versions of the pass shard over the whole group and count no all-gathered bytes
-        "shard_group_size": getattr(plan, "k", plan.world_size),
-        "gathered_bytes_per_step": getattr(plan, "gathered_bytes_per_step", None),
-        # older versions of the pass have neither buckets nor a recorded pass time
-        "pass_seconds": getattr(plan, "pass_seconds", None),
-        "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in plans),
-        "candidates": len(plan.decisions), "sharded": len(plan.sharded), "buckets": len(getattr(plan, "buckets", [])),
-        "shard_ops": len({getattr(b, "shard_op", b.index) for b in getattr(plan, "buckets", [])}),
-        "bucket_members": [len(b.members) for b in getattr(plan, "buckets", [])],
-        "sharded_bytes": sum(d.nbytes for d in plan.sharded),
-        "fp8_weight_bytes": sum(d.nbytes for d in fp8 if d.replicated),
-        "fp8_sharded_bytes": sum(d.nbytes for d in fp8 if d.sharded),
-        "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
-        "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": plan.peak_bytes_after,
-    }
 
 
 # ---- the orchestrator: runs the sides in order and writes the comparison --------------------------------------------
@@ -283,9 +220,7 @@ def compare(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, flags = split_argv(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--order", default="without,with", help="comma-separated sides, run in this order")
     p.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each)")
@@ -319,7 +254,7 @@ def main() -> None:
     result = {
         "harness": "thunder/benchmarks/benchmark_litgpt.py (installed, unmodified; transform appended at run time)",
         "flags": flags, "options": json.loads(args.options), "order": [], "world_size": args.nproc,
-        "n_layers": next((int(f.split("=", 1)[1]) for f in flags if f.startswith("--n_layers=")), None),
+        "n_layers": None if flag(flags, "n_layers") is None else int(flag(flags, "n_layers")),
         "device": _device(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pythonpath": args.pythonpath, "runs": [],
     }
     for side in order:
@@ -353,26 +288,19 @@ def merge(paths: list[str], out: str | None) -> None:
 
 def args_iters(flags: list[str]) -> int:
     """How many iterations Thunder's benchmark times (max_iters - warmup_iters, its defaults 45 and 25)."""
-    value = lambda name, default: next((int(f.split("=", 1)[1]) for f in flags if f.startswith(f"--{name}=")), default)  # noqa: E731
-    return value("max_iters", 45) - value("warmup_iters", 25)
+    return int(flag(flags, "max_iters", 45)) - int(flag(flags, "warmup_iters", 25))
 
 
 def _gpu_state() -> str:
     """Clocks, temperature, power and active throttle reasons of every GPU (run-to-run drift shows up here)."""
-    query = "index,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active,memory.used"
-    try:
-        return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    state = nvidia_smi("index,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active,memory.used")
+    return "unknown" if state is None else state
 
 
 def _device() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    """Every GPU's name and driver, one line each."""
+    gpus = nvidia_smi("name,driver_version")
+    return "unknown" if gpus is None else gpus
 
 
 if __name__ == "__main__":

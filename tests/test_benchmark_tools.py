@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import profile_summary  # noqa: E402
 import thunder_litgpt  # noqa: E402
+from benchlib import revisions, stats, steps  # noqa: E402
 
 
 def _k(name, ts, dur, stream, corr):
@@ -68,7 +69,7 @@ def test_comparison_takes_medians_and_merges_interleaved_halves(tmp_path):
 def test_garbage_collections_are_charged_to_their_iterations():
     starts = [10.0, 10.5, 11.0, 11.5]  # three iterations, then the end of the last
     collections = [(9.0, 2, 0.3), (10.1, 0, 0.001), (10.6, 2, 0.25), (10.9, 1, 0.01), (11.6, 2, 1.0)]
-    got = thunder_litgpt.gc_per_iteration(starts, collections)
+    got = steps.gc_per_iteration(starts, collections)
     assert got["iteration_gc_ms"] == pytest.approx([1.0, 260.0, 0.0])  # before the first and after the last: none
     assert got["full_collection_iterations"] == [1]
 
@@ -181,7 +182,7 @@ def test_downsample_keeps_the_maximum_of_every_bin():
     assert (x, y) == ([1, 4, 8], [5, 9, 3])
 
 
-# ---- the paired benchmark (benchmarks/paired.py): its schedule and statistics ---------------------------------------
+# ---- the paired benchmark (benchmarks/paired.py; benchlib.stats): its schedule and statistics ------------------------
 
 import numpy as np  # noqa: E402
 
@@ -189,7 +190,7 @@ import paired  # noqa: E402
 
 
 def test_paired_schedule_is_abba_quads_against_the_base_for_each_arm():
-    s = paired.quad_schedule(3, 2)
+    s = stats.quad_schedule(3, 2)
     assert [arm for _, _, arm in s] == [0, 1, 1, 0, 0, 2, 2, 0] * 2
     assert [q for q, _, _ in s] == [q for q in range(4) for _ in range(4)]
     # within each arm's quads, it runs once after itself and once after the other side, as the base does
@@ -201,7 +202,7 @@ def test_paired_schedule_is_abba_quads_against_the_base_for_each_arm():
 def _records(wall_of, n_arms=2, quads=60, drift=0.0, seed=0):
     rng = np.random.default_rng(seed)
     out = []
-    for i, (q, pos, arm) in enumerate(paired.quad_schedule(n_arms, quads)):
+    for i, (q, pos, arm) in enumerate(stats.quad_schedule(n_arms, quads)):
         base = 100.0 * (1 + drift * np.sin(i / 25.0))  # the machine's speed wanders, within a quad too
         w = base * wall_of[arm] + rng.normal(0, 0.3)
         out.append({"quad": q, "position": pos, "arm": arm, "wall_ms": w, "cpu_ms": 0.8 * w, "issue_ms": 0.6 * w,
@@ -213,7 +214,7 @@ def _records(wall_of, n_arms=2, quads=60, drift=0.0, seed=0):
 def test_paired_overhead_finds_a_planted_one_percent_under_drift_and_the_null_contains_zero():
     # 10% drift of the machine's speed (the "two speeds" seen on the H200): the pairing cancels it
     records = _records({0: 1.0, 1: 1.01, 2: 1.0}, n_arms=3, drift=0.10)
-    treated, null = paired.compare(records, 1), paired.compare(records, 2)
+    treated, null = stats.compare(records, 1), stats.compare(records, 2)
     lo, hi = treated["overhead_pct"]["ci95"]
     assert lo < 1.0 < hi and hi - lo < 0.5
     lo, hi = null["overhead_pct"]["ci95"]
@@ -225,9 +226,9 @@ def test_paired_overhead_finds_a_planted_one_percent_under_drift_and_the_null_co
 def test_paired_differences_pair_each_iteration_with_the_base_beside_it():
     records = [{"quad": 0, "position": p, "arm": a, "wall_ms": w}
                for p, (a, w) in enumerate([(0, 10.0), (1, 12.0), (1, 13.0), (0, 11.0)])]
-    quads, diffs, base = paired.paired_differences(records, 1, "wall_ms")
+    quads, diffs, base = stats.paired_differences(records, 1, "wall_ms")
     assert quads.tolist() == [0] and diffs.tolist() == [[2.0, 2.0]] and base.tolist() == [[10.0, 11.0]]
-    assert paired.paired_differences(records, 2, "wall_ms")[1].size == 0  # arm 2 has no quads here
+    assert stats.paired_differences(records, 2, "wall_ms")[1].size == 0  # arm 2 has no quads here
 
 
 def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
@@ -240,7 +241,7 @@ def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
         pytest.skip("not a git checkout")
     from thunder_fp8shard import ShardIntermediates, ops
 
-    other = paired.import_revision("HEAD", str(tmp_path))
+    other = revisions.import_revision("HEAD", str(tmp_path))
     assert other.__name__ == "thunder_fp8shard_rev" and other.ShardIntermediates is not ShardIntermediates
     assert other.ops.executor.name != ops.executor.name and other.ops.shard.name != ops.shard.name
     assert other.ops.payload.__name__ == "thunder_fp8shard_rev.payload"

@@ -1,0 +1,139 @@
+"""What the benchmarks report: the pass's plan as plain data, the device, the flags given to Thunder's benchmark
+(after ``--``), the paired results' table and the plan-accuracy reports drawn from them."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+
+def plan_summary(shard) -> dict | None:
+    """What the pass did in the run: the plan of the training compilation (the one with the most decisions and
+    compactions), as plain data, with totals over the plans that trained (``None``: no pass, or no plan). Fields a
+    plan of an older version of the pass may lack (another ``"revision"``, or ``thunder_litgpt.py --pythonpath``)
+    are read with ``getattr``."""
+    if shard is None or not shard.plans:
+        return None
+    plans = shard.plans
+    plan = max(plans, key=lambda p: len(p.decisions) + len(getattr(p, "compactions", [])))
+    fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
+    buckets = getattr(plan, "buckets", [])
+    # under ThunderFX one plan a subgraph, and one subgraph can run for several blocks: totals are plan x runs
+    trained = [p for p in plans if p.decisions or getattr(p, "compactions", [])]
+    runs = [getattr(p, "runs_per_step", None) or 1 for p in trained]
+    total = lambda f: sum(f(p) * r for p, r in zip(trained, runs))  # noqa: E731
+    return {
+        "text": str(plan), "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
+        # older versions of the pass shard over the whole group
+        "shard_group_size": getattr(plan, "k", plan.world_size),
+        "pass_seconds": getattr(plan, "pass_seconds", None),
+        "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in plans),
+        "candidates": len(plan.decisions), "sharded": len(plan.sharded),
+        "buckets": len(buckets), "shard_ops": len({getattr(b, "shard_op", b.index) for b in buckets}),
+        "bucket_members": [len(b.members) for b in buckets],
+        "sharded_bytes": total(lambda p: sum(d.nbytes for d in p.sharded)),
+        "fp8_weight_bytes": sum(d.nbytes for d in fp8 if d.replicated),
+        "fp8_sharded_bytes": sum(d.nbytes for d in fp8 if d.sharded),
+        "plans": len(trained), "runs_per_step": runs,
+        "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
+        "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": plan.peak_bytes_after,
+        "peak_step_before": peak_where(getattr(plan, "timeline_before", None)),
+        "peak_step_after": peak_where(getattr(plan, "timeline_after", None)),
+        "gathered_bytes_per_step": total(lambda p: getattr(p, "gathered_bytes_per_step", 0)),
+        "saving_fraction": getattr(plan, "saving_fraction", (plan.world_size - 1) / plan.world_size),
+        "compactions": total(lambda p: len(getattr(p, "compacted", []))),
+        "compacted_bytes": total(lambda p: getattr(p, "compacted_bytes_per_step", 0)),
+        "compaction_freed_bytes": total(lambda p: sum(c.freed_bytes for c in getattr(p, "compacted", []))),
+        "budget_bytes": getattr(plan, "budget_bytes", None), "budget_target_bytes": getattr(plan, "budget_target_bytes", None),
+        "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in getattr(plan, "terms", [])],
+        "audit": getattr(plan, "audit", None), "calibration": getattr(plan, "calibration", None),
+        "notes": list(getattr(plan, "notes", [])),
+    }
+
+
+def peak_where(tl) -> dict | None:
+    """The step of a memory timeline where it peaks: its phase, index and label."""
+    if tl is None:
+        return None
+    s = tl.peak_step
+    return {"phase": s.phase, "index": s.index, "label": getattr(s, "label", None)}
+
+
+# ---- the command line: the script's own arguments, then Thunder's benchmark's flags after "--" -----------------------
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(own, flags)``: the arguments before ``--`` (the script's) and after it (Thunder's benchmark's)."""
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def flag(flags: list[str], name: str, default=None):
+    """The value of ``--name=value`` among ``flags`` (a string), or ``default``."""
+    return next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")), default)
+
+
+# ---- the device ------------------------------------------------------------------------------------------------------
+
+
+def nvidia_smi(query: str) -> str | None:
+    """``nvidia-smi --query-gpu=<query>``'s answer, one line a GPU (None where it cannot run)."""
+    try:
+        return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name() -> str:
+    """The first GPU's name and driver, or the CPU's name where there is no GPU."""
+    gpus = nvidia_smi("name,driver_version")
+    return gpus.splitlines()[0] if gpus else platform.processor() or "cpu"
+
+
+# ---- the paired benchmark's results ----------------------------------------------------------------------------------
+
+
+def results_table(results: list[dict]) -> str:
+    """One row a comparison: the wall-time and CPU-issue overheads with their CIs, the base's median, the GB saved."""
+    rows = ["arm vs base | wall overhead % [95% CI] | ms [CI] | CPU issue overhead % [CI] | base median ms | "
+            "peak GB reduction"]
+    for r in results:
+        o, c = r["overhead_pct"], r["cpu_issue_overhead_pct"]
+        rows.append(f"{r['arm']} vs {r['base']} | {o['median']:+.2f} [{o['ci95'][0]:+.2f}, {o['ci95'][1]:+.2f}] | "
+                    f"{o['median_abs']:+.2f} [{o['ci95_abs'][0]:+.2f}, {o['ci95_abs'][1]:+.2f}] | "
+                    f"{c['median']:+.2f} [{c['ci95'][0]:+.2f}, {c['ci95'][1]:+.2f}] | {o['base_median']:.2f} | "
+                    f"{r['memory_reduction_GB']:.2f}")
+    return "\n".join(rows)
+
+
+def accuracy_reports(results: list[dict]) -> dict[str, dict]:
+    """The plan's predicted peak against the measured one, one report a configuration (``"kind": "plan_accuracy"``):
+    each arm with the pass (its plan's peak after, at compilation and as the run-time audit corrected it, against
+    the median of its timed iterations' peaks) and the base without it (the first such plan's peak before against
+    the base's). With ``--reserve-later`` every prediction is made for the memory the timed iterations run in."""
+    out = {}
+    for r in results:
+        if r.get("null") or "predicted_peak_GB" not in r:
+            continue
+        arm = next(a for a in r["arms"] if a["name"] == r["arm"])
+        common = {k: r[k] for k in ("device", "simulated", "world_size", "n_layers", "low_precision_mode", "flags",
+                                    "started", "launch")}
+        common["executors"] = flag(r["flags"], "compile", "thunder")
+        plan = arm["plan"]
+        if not r["measured_peak_GB"]["base"]:  # the CPU: no device peak
+            continue
+        for name, with_pass, predicted, measured in (
+                (r["arm"], True, plan["peak_bytes_after"], r["measured_peak_GB"]["arm"] * 1e9),
+                (r["base"], False, plan["peak_bytes_before"], r["measured_peak_GB"]["base"] * 1e9)):
+            if name in out:
+                continue
+            out[name] = dict(common, kind="plan_accuracy", arm=name, with_pass=with_pass,
+                             options=r["options"] if with_pass else None,
+                             predicted_peak_bytes=int(predicted), measured_peak_bytes=int(measured),
+                             error_pct=100.0 * (predicted - measured) / measured,
+                             predicted_from=f"the plan of arm {r['arm']!r}" + (" (its peak after)" if with_pass
+                                                                               else " (its peak before: no pass)"),
+                             terms=plan["terms"], audit=plan["audit"], calibration=plan["calibration"])
+    return out

@@ -1,0 +1,71 @@
+"""The paired benchmark's schedule and statistics (pure; tested on the CPU): ABBA quads against the base arm, each
+iteration of an arm paired with the base iteration beside it, the overhead as a median with a bootstrap CI over quads."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def quad_schedule(n_arms: int, quads_per_arm: int) -> list[tuple[int, int, int]]:
+    """``(quad, position, arm)`` for every iteration: for each arm k >= 1 in turn, the quad ``0 k k 0``, then the
+    next arm's; ``quads_per_arm`` rounds. Arm 0 is the base."""
+    out, q = [], 0
+    for _ in range(quads_per_arm):
+        for k in range(1, n_arms):
+            out += [(q, 0, 0), (q, 1, k), (q, 2, k), (q, 3, 0)]
+            q += 1
+    return out
+
+
+def paired_differences(records: list[dict], arm: int, key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The quads of ``arm``, its values minus the base's beside them (``quad_schedule``'s pairs: positions 0-1 and
+    2-3), and the base's values in those quads, each as arrays of shape (quads, 2)."""
+    by_quad: dict[int, dict[int, float]] = {}
+    for r in records:
+        by_quad.setdefault(r["quad"], {})[r["position"]] = (r["arm"], r[key])
+    quads, diffs, base = [], [], []
+    for q, pos in sorted(by_quad.items()):
+        if len(pos) != 4 or pos[1][0] != arm:
+            continue
+        quads.append(q)
+        diffs.append([pos[1][1] - pos[0][1], pos[2][1] - pos[3][1]])
+        base.append([pos[0][1], pos[3][1]])
+    return np.array(quads), np.array(diffs, dtype=float), np.array(base, dtype=float)
+
+
+def overhead(diffs: np.ndarray, base: np.ndarray, *, resamples: int = 10000, seed: int = 0) -> dict:
+    """The median paired difference as a percentage of the base's median, with a bootstrap 95% CI that resamples
+    whole quads (the two pairs of a quad share their moment), and the same in the values' own unit."""
+    def stat(d, b):
+        return 100.0 * np.median(d) / np.median(b)
+
+    rng = np.random.default_rng(seed)
+    n = len(diffs)
+    idx = rng.integers(0, n, size=(resamples, n))
+    d, b = diffs[idx].reshape(resamples, -1), base[idx].reshape(resamples, -1)
+    pct = 100.0 * np.median(d, axis=1) / np.median(b, axis=1)
+    abs_ = np.median(d, axis=1)
+    return {
+        "median": float(stat(diffs.ravel(), base.ravel())),
+        "ci95": [float(np.percentile(pct, 2.5)), float(np.percentile(pct, 97.5))],
+        "median_abs": float(np.median(diffs)), "ci95_abs": [float(np.percentile(abs_, 2.5)),
+                                                            float(np.percentile(abs_, 97.5))],
+        "base_median": float(np.median(base)), "pairs": int(diffs.size),
+    }
+
+
+def compare(records: list[dict], arm: int) -> dict:
+    """Overheads of ``arm`` against the base: wall time and CPU time (%, and ms), peak memory (GB), allocator calls."""
+    out = {}
+    for key, name in (("wall_ms", "overhead_pct"), ("cpu_ms", "cpu_overhead_pct"), ("issue_ms", "issue_overhead_pct"),
+                      ("cpu_issue_ms", "cpu_issue_overhead_pct")):
+        _, diffs, base = paired_differences(records, arm, key)
+        out[name] = overhead(diffs, base)
+    _, dpeak, _ = paired_differences(records, arm, "peak_bytes")
+    out["memory_reduction_GB"] = float(-np.median(dpeak) / 1e9)
+    for key in ("device_allocs", "alloc_retries"):
+        mine = [r[key] for r in records if r["arm"] == arm and r[key] is not None]
+        base = [r[key] for r in records if r["arm"] == 0 and r[key] is not None]
+        out[f"{key}_per_iteration"] = {"arm": float(np.mean(mine)) if mine else None,
+                                      "base": float(np.mean(base)) if base else None}
+    return out
