@@ -44,6 +44,8 @@ memory, which every iteration's peak includes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -309,6 +311,32 @@ def harness(args):
     return torch, dist, bl
 
 
+@contextlib.contextmanager
+def exclusive(path: str | None, busy: str | None):
+    """``--gpu-lock``: several runs of one sitting compile side by side on one GPU, but time alone. This run's
+    ``--busy`` file (one a job of the sitting, made by the sitting's script before it starts the jobs) is removed
+    now that its arms are built; the timed iterations then wait until no job is still building (its folder is empty:
+    no other compilation beside them) and hold an exclusive lock on ``path`` (no other timed iterations beside
+    them): a shared GPU is no evidence of speed."""
+    if not path:
+        yield
+        return
+    t = time.perf_counter()
+    if busy:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(busy)
+        while os.listdir(os.path.dirname(busy)) and time.perf_counter() - t < 1800:
+            time.sleep(2)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        print(f"[paired] the GPU to itself after {time.perf_counter() - t:.1f} s "
+              f"(still building: {os.listdir(os.path.dirname(busy)) if busy else 'not tracked'})", flush=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run(args, flags: list[str]) -> list[dict]:
     """Builds the arms, alternates their iterations, and returns one result a comparison (rank 0; others: [])."""
     torch, dist, bl = harness(args)
@@ -325,8 +353,9 @@ def run(args, flags: list[str]) -> list[dict]:
     gc_log = GcLog()
     gc.callbacks.append(gc_log)
     drawn = build_arms(torch, bl, arms, kwargs, passes, args, rank)
-    records = alternate(torch, arms, drawn, gc_log, args)
-    profile = profile_steps(torch, {a.name: a.bench for a in arms}, drawn[0], args.trace_dir) if args.profile else None
+    with exclusive(args.gpu_lock, args.busy):
+        records = alternate(torch, arms, drawn, gc_log, args)
+        profile = profile_steps(torch, {a.name: a.bench for a in arms}, drawn[0], args.trace_dir) if args.profile else None
     gc.callbacks.remove(gc_log)
     if rank != 0:
         return []
@@ -370,6 +399,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="do not gc.freeze() the objects alive after warm-up")
     p.add_argument("--profile", action="store_true", help="afterwards, profile one iteration of each arm")
     p.add_argument("--trace-dir", default=None, help="with --profile: where the gzipped Chrome traces go")
+    p.add_argument("--gpu-lock", default=None, metavar="PATH",
+                   help="hold an exclusive lock on PATH while timing (runs of one sitting compile side by side, "
+                        "never time side by side)")
+    p.add_argument("--busy", default=None, metavar="FILE",
+                   help="with --gpu-lock: this job's file in the sitting's folder of jobs still building, removed "
+                        "when its arms are built; the timing waits until that folder is empty")
     p.add_argument("--out", help="JSON path prefix: one <out>_<arm>.json per comparison")
     args = p.parse_args(own)
     json.loads(args.arms)
