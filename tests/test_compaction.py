@@ -101,3 +101,15 @@ def test_compaction_keeps_the_views_dimension_order():
     assert torch.equal(copy, v) and copy.untyped_storage().nbytes() == v.numel() * 4
     assert sorted(range(4), key=lambda d: -copy.stride(d)) == sorted(range(4), key=lambda d: -v.stride(d))
     assert copy.is_contiguous() is False and copy.transpose(1, 2).is_contiguous()
+
+
+def test_a_region_that_takes_one_tensor_twice_is_replayed(runs):
+    """Under Thunder FSDP LitGPT's RoPE region takes ``cos`` and ``sin`` twice (for q and for k): the replay takes
+    each tensor once (a function cannot have two parameters of one name; the H200 run of 2026-12-02 lost the
+    compaction of every layer's ``v`` to that)."""
+    (_, _, entry), _, _ = runs
+    fw = entry.computation_traces[-1]
+    (region,) = [b for b in fw.bound_symbols if is_torch_compile_region(b) and region_aliasing(b).views_of]
+    twice = region.from_bsym(args=(*region.args, *[a for a in region.args if hasattr(a, "name")][-1:]))
+    assert len({a.name for a in twice.args}) < len(twice.args)
+    assert region_aliasing(twice) == region_aliasing(region)

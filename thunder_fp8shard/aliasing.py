@@ -58,13 +58,13 @@ def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
     torch.compile regions, and where the replay fails: logged, and the outputs then count as new storages)."""
     if not is_torch_compile_region(bsym):
         return NO_ALIASING
-    ins = list(bsym.args)
+    ins = _unique_args(bsym)
     outs = [o for o in bsym.flat_outs if isinstance(o, TensorProxy)]
     try:
         key = _structure(bsym)
         by_position = _replayed(key, bsym)
     except Exception as e:  # noqa: BLE001  (a region the replay cannot run: counted as new storages, as before)
-        log.info("ShardIntermediates: could not replay %s on meta tensors (%s: %s); its outputs count as new storages",
+        log.warning("ShardIntermediates: could not replay %s on meta tensors (%s: %s); its outputs count as new storages",
                  bsym.sym.name, type(e).__name__, e)
         return NO_ALIASING
     views, shared = by_position
@@ -72,6 +72,20 @@ def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
         {outs[o].name: ins[i].name for o, i in views},
         tuple((tuple(outs[o].name for o in group), nbytes) for group, nbytes in shared),
     )
+
+
+def _unique_args(bsym: BoundSymbol) -> list:
+    """The region's arguments, each proxy once (in order of first appearance): a region may take one tensor at
+    several positions (LitGPT's RoPE region takes ``cos`` and ``sin`` once for ``q`` and once for ``k`` under
+    Thunder FSDP), which a function of its own cannot take as parameters of one name."""
+    seen, out = set(), []
+    for a in bsym.args:
+        if isinstance(a, Proxy):
+            if a.name in seen:
+                continue
+            seen.add(a.name)
+        out.append(a)
+    return out
 
 
 def _structure(bsym: BoundSymbol) -> tuple:
@@ -108,7 +122,7 @@ def _replay(bsym: BoundSymbol) -> tuple:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     fn = _region_function(bsym)
-    inputs = [_meta(a) for a in bsym.args]
+    inputs = [_meta(a) for a in _unique_args(bsym)]
     with torch.no_grad():
         results = fn(*inputs)
     results = [r for r in (results if isinstance(results, (tuple, list)) else (results,))]
@@ -156,7 +170,7 @@ def _region_function(bsym: BoundSymbol):
     from thunder.executors.torchex import ex as pytorch_ex
 
     trace = TraceCtx(None)
-    trace.args, trace.kwargs = list(bsym.args), {}
+    trace.args, trace.kwargs = _unique_args(bsym), {}
     trace.names = {a.name for a in trace.args if isinstance(a, Proxy)}
     with tracectx(trace):
         for a in trace.args:
