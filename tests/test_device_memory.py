@@ -33,7 +33,8 @@ def allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(device_memory, "_run_linear", lambda dev: allocated.__setitem__(0, allocated[0] + 100))
+    monkeypatch.setattr(device_memory, "_run_gemms", lambda dev, bias: allocated.__setitem__(0, allocated[0] + 100))
+    monkeypatch.setattr(device_memory, "_release_cublas_workspaces", lambda: allocated.__setitem__(0, allocated[0] - 100))
     return allocated
 
 
@@ -118,3 +119,32 @@ def test_te_is_not_asked_for_when_the_program_has_no_te_ops(allocator, monkeypat
     _fake_te(monkeypatch, gemm={"get_cublas_workspace": lambda *a: pytest.fail("TE was asked for")})
     m = measure(_cuda_trace(), transformer_engine=False)
     assert m == DeviceMemory("cuda:0", 1000, (("cuBLAS", 100),))
+
+
+def test_the_cublas_workspaces_forced_are_measured_then_released(allocator, monkeypatch):
+    """The pass leaves no cuBLAS workspace of its own making behind (on the H200 one forced and kept added 32 MiB to
+    every later step of the GPU tests' tiny model): measured, then released; the program makes again those it uses."""
+    kinds, released = [], []
+    monkeypatch.setattr(device_memory, "_run_gemms", lambda dev, bias: (kinds.append(bias), allocator.__setitem__(
+        0, allocator[0] + 100)))
+    monkeypatch.setattr(device_memory, "_release_cublas_workspaces", lambda: (released.append(allocator[0]),
+                                                                              allocator.__setitem__(0, 1000)))
+    assert measure(_cuda_trace(), transformer_engine=False, cublas={"matmul"}).workspaces == (("cuBLAS", 100),)
+    assert (kinds, released, allocator[0]) == ([False], [1100], 1000)
+    measure(_cuda_trace(), transformer_engine=False, cublas={"bmm", "linear"})  # a GEMM with a bias: cuBLASLt too
+    assert kinds == [False, True]
+    assert measure(_cuda_trace(), transformer_engine=False, cublas=frozenset()).workspaces == ()
+    assert len(released) == 2  # nothing forced, nothing released
+
+
+def test_the_gemms_that_are_not_transformer_engines_are_found_inside_fusion_regions_too():
+    from thunder_fp8shard.device_memory import cublas_gemms
+
+    def bsym(name, subsymbols=(), fusion=False):
+        return types.SimpleNamespace(sym=types.SimpleNamespace(name=name, is_fusion=fusion), subsymbols=subsymbols)
+
+    trace = types.SimpleNamespace(bound_symbols=[
+        bsym("te_functional_linear_fwd"), bsym("TorchCompile0", [bsym("bmm"), bsym("add")], fusion=True),
+        bsym("linear")])
+    assert cublas_gemms(trace) == {"bmm", "linear"}
+    assert cublas_gemms(types.SimpleNamespace(bound_symbols=[bsym("te_functional_linear_fwd")])) == frozenset()

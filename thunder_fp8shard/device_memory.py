@@ -3,16 +3,20 @@
 :func:`measure` runs in the pass's forward hook, i.e. inside the first call of a new input shape, before the
 program runs. It reads ``torch.cuda.memory_allocated`` (everything alive then: parameter shards, the batch, and at
 a later compilation the optimizer's state), then forces the workspaces of the program's kernels into existence and
-records what each one added: cuBLAS keeps one per handle and stream, and the autograd engine runs the backward on
-its own thread (its own handle), so a tiny linear layer is run forward and backward, where the program has GEMMs that
-are not TransformerEngine's (:func:`has_cublas_gemms`; forcing them otherwise would allocate 68 MB on an H200 the
-program never uses); TransformerEngine keeps one
-cuBLAS workspace per device for its GEMMs (asked for when the program has TE ops; see :func:`_te_workspace`). Both
-are allocated through PyTorch's caching allocator, so ``memory_allocated`` (and ``max_memory_allocated``) see them.
-A workspace that already existed adds 0 bytes and is in ``allocated_bytes`` instead. A workspace that could not be
-forced (an API this module does not know) is listed in ``not_forced`` with the reason, and a warning is issued: the
-plan then says that the predicted peak leaves it out. On the CPU (no CUDA tensor among the program's inputs) nothing
-is measured.
+records what each one added. cuBLAS keeps one per handle and stream, and the autograd engine runs the backward on its
+own thread (its own handle), so where the program has GEMMs that are not TransformerEngine's
+(:func:`cublas_gemms`; forcing them otherwise would allocate 68 MB on an H200 the program never uses) a tiny GEMM
+of the same kind is run forward and backward: a plain one (``matmul``, ``bmm``: cuBLAS), and a linear layer with a
+bias (cuBLASLt) only where the program has such GEMMs. The cuBLAS workspaces are then released
+(``torch._C._cuda_clearCublasWorkspaces``, as torch's own tests do before counting memory): the program creates
+again those it uses, so the pass leaves none of its own making behind (on the H200, 2026-12-02, a workspace forced
+and kept added 32 MiB to every later step of the GPU tests' tiny model, whose GEMMs never used it). TransformerEngine
+keeps one cuBLAS workspace per device for its GEMMs (asked for when the program has TE ops; see
+:func:`_te_workspace`), which its GEMMs reuse: it stays. All are allocated through PyTorch's caching allocator, so
+``memory_allocated`` (and ``max_memory_allocated``) see them. A workspace that already existed adds 0 bytes and is
+in ``allocated_bytes`` instead. A workspace that could not be forced (an API this module does not know) is listed in
+``not_forced`` with the reason, and a warning is issued: the plan then says that the predicted peak leaves it out.
+On the CPU (no CUDA tensor among the program's inputs) nothing is measured.
 
 Each rank measures its own device, so the figures differ between ranks; the plan is made with the largest over the
 ranks (:mod:`thunder_fp8shard.agreement`). The transform calls :func:`measure` through its module's name, which
@@ -54,33 +58,41 @@ def program_device(trace: TraceCtx) -> str | None:
 
 
 # the GEMMs that run on PyTorch's cuBLAS handles (the names of Thunder's torch-level symbols, at the top level or
-# inside a fusion region); TransformerEngine's own (``te_functional_linear_*``) use its workspace instead
+# inside a fusion region); TransformerEngine's own (``te_functional_linear_*``) use its workspace instead. Those
+# with a bias go through cuBLASLt (a workspace of its own where torch keeps one).
 CUBLAS_GEMMS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "einsum",
                           "tensordot", "_scaled_mm", "scaled_mm"})
+BIAS_GEMMS = frozenset({"linear", "addmm", "baddbmm", "addbmm", "addmv", "_scaled_mm", "scaled_mm"})
 
 
-def has_cublas_gemms(trace: TraceCtx) -> bool:
-    """Whether ``trace`` (the forward: its backward's GEMMs are the gradients of these) has a GEMM that is not
-    TransformerEngine's, at the top level or inside a fusion region."""
-    def gemm(bsym) -> bool:
-        name = bsym.sym.name
-        if name in CUBLAS_GEMMS:
-            return True
-        return bool(bsym.sym.is_fusion) and any(gemm(b) for b in bsym.subsymbols)
+def cublas_gemms(trace: TraceCtx) -> frozenset[str]:
+    """The GEMMs of ``trace`` (the forward: its backward's GEMMs are the gradients of these) that are not
+    TransformerEngine's, at the top level or inside a fusion region, by name."""
+    found: set[str] = set()
 
-    return any(gemm(b) for b in trace.bound_symbols)
+    def visit(bsym) -> None:
+        if bsym.sym.name in CUBLAS_GEMMS:
+            found.add(bsym.sym.name)
+        elif bsym.sym.is_fusion:
+            for b in bsym.subsymbols:
+                visit(b)
+
+    for b in trace.bound_symbols:
+        visit(b)
+    return frozenset(found)
 
 
-def measure(trace: TraceCtx, *, transformer_engine: bool, cublas: bool = True) -> DeviceMemory | None:
-    """Allocated bytes and the workspaces' bytes on the device of ``trace``'s inputs (None on the CPU): cuBLAS's where
-    ``cublas`` (the program has GEMMs that are not TransformerEngine's: :func:`has_cublas_gemms`), TE's where
-    ``transformer_engine``."""
+def measure(trace: TraceCtx, *, transformer_engine: bool, cublas=("matmul",)) -> DeviceMemory | None:
+    """Allocated bytes and the workspaces' bytes on the device of ``trace``'s inputs (None on the CPU): cuBLAS's for
+    the GEMMs named in ``cublas`` (the program's that are not TransformerEngine's: :func:`cublas_gemms`; none: not
+    forced), released again once measured, and TE's where ``transformer_engine``."""
     device = program_device(trace)
     if device is None or not torch.cuda.is_available():
         return None
     dev = torch.device(device)
     allocated = torch.cuda.memory_allocated(dev)
-    forces: list[tuple[str, Callable[[], object]]] = [(CUBLAS, lambda: _run_linear(dev))] if cublas else []
+    with_bias = bool(BIAS_GEMMS.intersection(cublas))
+    forces: list[tuple[str, Callable[[], object]]] = [(CUBLAS, lambda: _run_gemms(dev, with_bias))] if cublas else []
     if transformer_engine:
         forces.append((TE_GEMM, lambda: _te_workspace(dev)))
     workspaces, not_forced = [], []
@@ -92,6 +104,8 @@ def measure(trace: TraceCtx, *, transformer_engine: bool, cublas: bool = True) -
             not_forced.append((kind, f"{error}; {SIZE_HINTS[kind]}" if kind in SIZE_HINTS else error))
             warnings.warn(f"ShardIntermediates: could not force the {kind} workspace into existence ({error}); the "
                           "predicted peak leaves it out, and the plan says so", RuntimeWarning, stacklevel=2)
+    if cublas:
+        _release_cublas_workspaces()
     return DeviceMemory(device, allocated, tuple(workspaces), tuple(not_forced))
 
 
@@ -106,13 +120,24 @@ def _growth(dev: torch.device, force: Callable[[], object]) -> tuple[int, str | 
     return max(torch.cuda.memory_allocated(dev) - before, 0), None
 
 
-def _run_linear(dev: torch.device) -> None:
-    """A linear layer with bias (cuBLASLt) and its backward (cuBLAS, on the autograd engine's thread); everything it
-    allocates but the workspaces is freed on return."""
+def _run_gemms(dev: torch.device, with_bias: bool) -> None:
+    """A plain GEMM (cuBLAS) and, ``with_bias``, a linear layer with a bias (cuBLASLt), forward and backward (on the
+    autograd engine's thread); everything they allocate but the workspaces is freed on return."""
     with torch.enable_grad():
         w = torch.ones(16, 16, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        torch.nn.functional.linear(w, w, w[0]).sum().backward()
-    del w
+        out = torch.matmul(w, w).sum()
+        if with_bias:
+            out = out + torch.nn.functional.linear(w, w, w[0]).sum()
+        out.backward()
+    del w, out
+
+
+def _release_cublas_workspaces() -> None:
+    """Releases PyTorch's cuBLAS (and cuBLASLt) workspaces to the caching allocator: those the program uses are made
+    again at its first GEMM on each handle and stream (measured above, so the model counts them)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _te_workspace(dev: torch.device) -> object:

@@ -27,7 +27,7 @@ from thunder_fp8shard.agreement import agree, check, largest
 from thunder_fp8shard.analysis import analyze
 from thunder_fp8shard.audit import Calibration, SavedAudit, cache_dropper, calibration_term, expected_storages
 from thunder_fp8shard.candidates import te_quantized_names
-from thunder_fp8shard.device_memory import DeviceMemory, has_cublas_gemms, measure, program_device
+from thunder_fp8shard.device_memory import DeviceMemory, cublas_gemms, measure, program_device
 from thunder_fp8shard.options import OPTION_NAMES, ShardOptions, options_from, signature
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planner import make_plan
@@ -108,7 +108,7 @@ class ShardIntermediates(Transform):
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance(f"{type(self).__name__}: forward as compiled, until its backward is planned"))
         te_names = frozenset(te_quantized_names(fw))
-        device = measure(fw, transformer_engine=bool(te_names), cublas=has_cublas_gemms(fw))
+        device = measure(fw, transformer_engine=bool(te_names), cublas=cublas_gemms(fw))
         stats = _compile_data.get()[1]
         self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup, shards, stats,
                                         te_names)
