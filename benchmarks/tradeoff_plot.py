@@ -15,12 +15,13 @@ import json
 import os
 
 
-def points(prefix: str) -> list[dict]:
-    """One point per arm with the pass among ``<prefix>_<arm>.json`` (the accuracy reports and A/A nulls left out)."""
+def points(prefix: str, exclude: frozenset[str] = frozenset()) -> list[dict]:
+    """One point per arm with the pass among ``<prefix>_<arm>.json`` (the accuracy reports, A/A nulls and the arms
+    named in ``exclude`` left out)."""
     out = []
     for path in sorted(glob.glob(f"{prefix}_*.json")):
         r = json.load(open(path))
-        if r.get("kind") != "paired" or r.get("null"):
+        if r.get("kind") != "paired" or r.get("null") or r["arm"] in exclude:
             continue
         o = r["overhead_pct"]
         plan = next(a for a in r["arms"] if a["name"] == r["arm"])["plan"] or {}
@@ -65,9 +66,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--series", nargs=2, action="append", metavar=("NAME", "PREFIX"), required=True)
     p.add_argument("--out", required=True, help="path prefix: <out>.png and <out>.json")
+    p.add_argument("--exclude", nargs=2, action="append", default=[], metavar=("NAME", "ARM"),
+                   help="leave series NAME's arm ARM out (e.g. a run of a pass with a known bug)")
     p.add_argument("--title", default="ShardIntermediates: memory saved against step time (one H200, simulated N=8)")
     a = p.parse_args(argv)
-    series = {name: points(prefix) for name, prefix in a.series}
+    series = {name: points(prefix, frozenset(arm for n, arm in a.exclude if n == name)) for name, prefix in a.series}
     with open(a.out + ".json", "w") as f:
         json.dump({"kind": "tradeoff", "title": a.title, "series": series}, f, indent=1)
     plot(series, a.out + ".png", a.title)

@@ -290,3 +290,41 @@ def test_every_result_file_is_in_the_readmes_index():
                for d, _, files in os.walk(os.path.join(bench, "results")) for f in files}
     assert present - named == set(), "result files the index does not name"
     assert named - present == set(), "the index names files that do not exist"
+
+
+def test_plan_accuracy_reports_leave_out_plans_that_see_one_subgraph():
+    """Under ThunderFX (FSDP2) each plan sees one subgraph, and its predicted peak is not the step's: no accuracy
+    report compares it with the step's device peak (the H200 run of 2026-12-02 would have read -58%)."""
+    from benchlib.reporting import accuracy_reports
+
+    def result(integration):
+        plan = {"integration": integration, "peak_bytes_after": 90, "peak_bytes_before": 100, "terms": [],
+                "audit": None, "calibration": None}
+        return {"arm": "with", "base": "without", "options": {}, "null": False, "predicted_peak_GB": {},
+                "measured_peak_GB": {"base": 1e-7, "arm": 0.9e-7}, "arms": [{"name": "with", "plan": plan}],
+                "device": "d", "simulated": True, "world_size": 8, "n_layers": 8, "low_precision_mode": "fp8",
+                "flags": ["--compile=thunder_inductor_cat"], "started": "t", "launch": "l"}
+
+    zero3 = accuracy_reports([result("Thunder FSDP (ZeRO-3)")])
+    assert sorted(zero3) == ["with", "without"] and zero3["with"]["error_pct"] == 0.0
+    assert accuracy_reports([result("FSDP2 (fully_shard) under ThunderFX")]) == {}
+
+
+def test_the_plan_summary_leaves_out_a_plan_replanned_after_a_missed_budget():
+    """After a missed budget the pass drops the compiled program and plans again: only the new plan runs, so the
+    totals (bytes sharded and gathered a step) are its own (on the H200, 2026-12-02, the 8-layer budget arms' JSONs
+    summed both plans)."""
+    import types
+
+    from benchlib.reporting import plan_summary
+    from thunder_fp8shard.plan import Decision, ShardPlan
+
+    def plan(sharded_bytes, missed):
+        d = Decision(name="t", shape=(4,), dtype="float8_e4m3fn", kind="float8", nbytes=sharded_bytes, replicated=True,
+                     sharded=True, reason="identical on every rank", shard_nbytes=sharded_bytes // 8)
+        return ShardPlan(world_size=8, method="slice", policy="budget", prefetch=1, decisions=[d], saved_bytes_before=0,
+                         saved_bytes_after=0, calibration={"budget_missed": True} if missed else None, runs_per_step=1)
+
+    s = plan_summary(types.SimpleNamespace(plans=[plan(100, True), plan(700, False)]))
+    assert (s["sharded_bytes"], s["fp8_sharded_bytes"], s["plans"], s["replanned"]) == (700, 700, 1, 1)
+    assert plan_summary(types.SimpleNamespace(plans=[plan(100, False)]))["replanned"] == 0

@@ -9,12 +9,14 @@ import subprocess
 
 def plan_summary(shard) -> dict | None:
     """What the pass did in the run: the plan of the training compilation (the one with the most decisions and
-    compactions), as plain data, with totals over the plans that trained (``None``: no pass, or no plan). Fields a
+    compactions), as plain data, with totals over the plans that trained (``None``: no pass, or no plan); a plan
+    replanned after a missed budget is left out (its program no longer runs), ``"replanned"`` counts them. Fields a
     plan of an older version of the pass may lack (another ``"revision"``, or ``thunder_litgpt.py --pythonpath``)
     are read with ``getattr``."""
     if shard is None or not shard.plans:
         return None
-    plans = shard.plans
+    # a plan whose budget the device missed was replanned: its program was dropped, the replanned one runs instead
+    plans = [p for p in shard.plans if not (getattr(p, "calibration", None) or {}).get("budget_missed")] or shard.plans
     plan = max(plans, key=lambda p: len(p.decisions) + len(getattr(p, "compactions", [])))
     fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
     buckets = getattr(plan, "buckets", [])
@@ -47,7 +49,7 @@ def plan_summary(shard) -> dict | None:
         "budget_bytes": getattr(plan, "budget_bytes", None), "budget_target_bytes": getattr(plan, "budget_target_bytes", None),
         "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in getattr(plan, "terms", [])],
         "audit": getattr(plan, "audit", None), "calibration": getattr(plan, "calibration", None),
-        "notes": list(getattr(plan, "notes", [])),
+        "notes": list(getattr(plan, "notes", [])), "replanned": len(shard.plans) - len(plans),
     }
 
 
@@ -108,8 +110,12 @@ def results_table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+SUBGRAPH_PLANS = "under ThunderFX"  # in a plan's integration name: one plan a subgraph (FSDP2 under ThunderFX)
+
+
 def accuracy_reports(results: list[dict]) -> dict[str, dict]:
-    """The plan's predicted peak against the measured one, one report a configuration (``"kind": "plan_accuracy"``):
+    """The plan's predicted peak against the measured one, one report a configuration (``"kind": "plan_accuracy"``;
+    none under ThunderFX, where each plan sees one subgraph and none predicts the step's peak):
     each arm with the pass (its plan's peak after, at compilation and as the run-time audit corrected it, against
     the median of its timed iterations' peaks) and the base without it (the first such plan's peak before against
     the base's). With ``--reserve-later`` every prediction is made for the memory the timed iterations run in."""
@@ -123,6 +129,8 @@ def accuracy_reports(results: list[dict]) -> dict[str, dict]:
         common["executors"] = flag(r["flags"], "compile", "thunder")
         plan = arm["plan"]
         if not r["measured_peak_GB"]["base"]:  # the CPU: no device peak
+            continue
+        if SUBGRAPH_PLANS in (plan.get("integration") or ""):  # one plan a subgraph: none predicts the step's peak
             continue
         for name, with_pass, predicted, measured in (
                 (r["arm"], True, plan["peak_bytes_after"], r["measured_peak_GB"]["arm"] * 1e9),
