@@ -6,7 +6,8 @@ the gradient takes a straight-through path (``w + (dequant(wq) - w_nograd)``): a
 ``.to(float8)`` would get a float8 cotangent that underflows to zero, and an exactness test would prove nothing.
 
 The models are written to be cheap for Thunder 0.2.6's interpreter, whose tracing is most of a test's time: torch
-functions rather than tensor methods (a method is looked up through the tensor proxy's attributes) and, inside a
+functions rather than tensor methods and operators (``torch.mul(a, b)``, not ``a * b``: a method or an operator is
+looked up through the tensor proxy's attributes, several times slower to interpret) and, inside a
 block, its submodules' functions called on their parameters rather than the submodules themselves (each module call
 runs ``nn.Module.__call__``'s hook checks through the interpreter). The programs Thunder builds are the same (the
 same bound symbols); a block or an MLP layer is still called as a module, where FSDP2's hooks are.
@@ -24,20 +25,21 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def _dequantized_linear(x, xq, x_scale, x_plain, w, wq, w_scale, w_plain, b):
     # Values: dequant(xq) @ dequant(wq).T + b. Gradients: straight through to x and w (x - x_plain is exactly 0).
-    x_eff = x + (xq.to(x.dtype) * x_scale - x_plain)
-    w_eff = w + (wq.to(w.dtype) * w_scale - w_plain)
+    x_eff = torch.add(x, torch.sub(torch.mul(xq.to(x.dtype), x_scale), x_plain))
+    w_eff = torch.add(w, torch.sub(torch.mul(wq.to(w.dtype), w_scale), w_plain))
     return F.linear(x_eff, w_eff, b)
 
 
 def fake_fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` on float8_e4m3fn copies of ``x`` and ``w`` with per-tensor scales, recomputed in backward."""
     with torch.no_grad():
-        x_scale = torch.clamp(torch.amax(torch.abs(x)), min=1e-12) / FP8_MAX  # per-rank: from the rank's input
-        w_scale = torch.clamp(torch.amax(torch.abs(w)), min=1e-12) / FP8_MAX  # replicated: from the gathered weight
-        xq = (x / x_scale).to(torch.float8_e4m3fn)
-        wq = (w / w_scale).to(torch.float8_e4m3fn)
-        x_plain = x * 1.0
-        w_plain = w * 1.0
+        # per-rank: derived from the rank's input; replicated: derived from the gathered weight
+        x_scale = torch.true_divide(torch.clamp(torch.amax(torch.abs(x)), min=1e-12), FP8_MAX)
+        w_scale = torch.true_divide(torch.clamp(torch.amax(torch.abs(w)), min=1e-12), FP8_MAX)
+        xq = torch.true_divide(x, x_scale).to(torch.float8_e4m3fn)
+        wq = torch.true_divide(w, w_scale).to(torch.float8_e4m3fn)
+        x_plain = torch.mul(x, 1.0)
+        w_plain = torch.mul(w, 1.0)
     return checkpoint(_dequantized_linear, x, xq, x_scale, x_plain, w, wq, w_scale, w_plain, b, use_reentrant=False)
 
 
@@ -65,7 +67,7 @@ class FakeFP8MLP(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(torch.mean(torch.pow(x, 2), -1, keepdim=True) + eps) * weight
+    return torch.mul(torch.mul(x, torch.rsqrt(torch.add(torch.mean(torch.pow(x, 2), -1, keepdim=True), eps))), weight)
 
 
 class RMSNorm(nn.Module):
@@ -90,8 +92,8 @@ def _norm(m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """LitGPT's rotary embedding (``litgpt.model.apply_rope``): its ``cat`` is what ``torch_compile_cat_ex`` claims."""
     half = x.size(-1) // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat((torch.neg(x[..., half:]), x[..., :half]), dim=-1)
+    return torch.add(torch.mul(x, cos), torch.mul(rotated, sin))
 
 
 class LlamaBlock(nn.Module):
@@ -123,9 +125,9 @@ class LlamaBlock(nn.Module):
             q = torch.cat((apply_rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
             k = torch.cat((apply_rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
         y = torch.reshape(torch.transpose(F.scaled_dot_product_attention(q, k, v, is_causal=True), 1, 2), (b, t, c))
-        x = x + _linear(self.proj, y)
+        x = torch.add(x, _linear(self.proj, y))
         h = _norm(self.norm_2, x)
-        return x + _linear(self.mlp_proj, F.silu(_linear(self.fc_1, h)) * _linear(self.fc_2, h))
+        return torch.add(x, _linear(self.mlp_proj, torch.mul(F.silu(_linear(self.fc_1, h)), _linear(self.fc_2, h))))
 
 
 class FakeFP8Llama(nn.Module):
