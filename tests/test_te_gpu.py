@@ -10,12 +10,13 @@ pass must give bitwise equal losses and gradients. Memory and saved-bytes figure
 ``-s`` to see them in the log). TE's GEMM workspace must be measured, not left out: in a fresh process (its size,
 and TE's GEMMs reuse it) and in each plan.
 
-The device peak is asserted under torch's fake process group (one process plays rank 0 of 2), not over gloo: gloo's
-CUDA collectives stage through pinned host buffers on side streams and record the CUDA tensors on those streams,
-which holds their blocks in the caching allocator past their last use (the tiny tests' peak rose by 22.7 MB with the
-pass under gloo while the saved bytes fell). Under the fake group the pass's all-gathers are copies on the compute
-stream, as NCCL's memory would be: the peak must fall by at least 90% of the plan's predicted reduction, and never
-rise.
+The device peak is asserted under torch's fake process group (one process plays rank 0 of 2), not over gloo, whose
+CUDA collectives stage through host buffers on streams of their own: under the fake group the pass's all-gathers
+are copies on the compute stream, as NCCL's memory would be. The peak must fall by at least 90% of the plan's
+predicted reduction, and never rise. (On the H200, 2026-12-02, it rose by 14-22 MB under the fake group as under
+gloo: a CUDA memory history, ``benchmarks/memory_at_peak.py``, showed every step beginning 33.8 MB higher, a cuBLAS
+workspace the pass had forced while compiling and the program never used; the pass now releases the workspaces it
+measures. That fix has not run on the device yet.)
 """
 
 from __future__ import annotations
