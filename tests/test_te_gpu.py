@@ -14,8 +14,8 @@ The device peak is asserted under torch's fake process group (one process plays 
 CUDA collectives stage through host buffers on streams of their own: under the fake group the pass's all-gathers
 are copies on the compute stream, as NCCL's memory would be. The peak must fall by at least 90% of the plan's
 predicted reduction, and never rise. (On the H200, 2026-12-02, it rose by 14-22 MB under the fake group as under
-gloo: a CUDA memory history, ``benchmarks/memory_at_peak.py``, showed every step beginning 33.8 MB higher, a cuBLAS
-workspace the pass had forced while compiling and the program never used; the pass now releases the workspaces it
+gloo: a CUDA memory history, ``benchmarks/memory_at_peak.py``, showed every step beginning 33.8 MB higher, the size
+of one of the 32 MiB cuBLAS workspaces the pass forced while compiling; the pass now releases the workspaces it
 measures. That fix has not run on the device yet.)
 """
 

@@ -9,8 +9,8 @@ own thread (its own handle), so where the program has GEMMs that are not Transfo
 of the same kind is run forward and backward: a plain one (``matmul``, ``bmm``: cuBLAS), and a linear layer with a
 bias (cuBLASLt) only where the program has such GEMMs. The cuBLAS workspaces are then released
 (``torch._C._cuda_clearCublasWorkspaces``, as torch's own tests do before counting memory): the program creates
-again those it uses, so the pass leaves none of its own making behind (on the H200, 2026-12-02, a workspace forced
-and kept added 32 MiB to every later step of the GPU tests' tiny model, whose GEMMs never used it). TransformerEngine
+again those it uses, so the pass leaves none of its own making behind (on the H200, 2026-12-02, every step of the
+GPU tests' tiny model began 33.8 MB higher with the pass: the size of one such 32 MiB workspace). TransformerEngine
 keeps one cuBLAS workspace per device for its GEMMs (asked for when the program has TE ops; see
 :func:`_te_workspace`), which its GEMMs reuse: it stays. All are allocated through PyTorch's caching allocator, so
 ``memory_allocated`` (and ``max_memory_allocated``) see them. A workspace that already existed adds 0 bytes and is
