@@ -10,6 +10,11 @@ their proxy names (Thunder names proxies deterministically in a fresh process). 
     python benchmarks/plan_fingerprints.py --out /tmp/before.json   # on the old revision
     python benchmarks/plan_fingerprints.py --out /tmp/after.json    # on the new one
     cmp /tmp/before.json /tmp/after.json
+
+Where the test models themselves changed (the way they are written, not what they compute), the proxy names and the
+source lines the traces quote change too: ``--compare before.json after.json`` compares the configurations with
+those renamed in order of appearance and the quoted source left out (:func:`same_behaviour`), and exits non-zero
+where one differs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,13 +99,44 @@ def llama_fingerprint(rank, world_size, fields):
     return {"plans": [_plan_record(p) for p in s.shard.plans], "traces": traces}
 
 
+# the names a trace gives proxies and parameters (renamed by order of appearance when comparing)
+NAMES = re.compile(r"\b(?:(?:t|restore|gather|ft)\d+|t_[A-Za-z0-9_]+|weight|w|x|eps)\b")
+
+
+def _renamed(text: str, names: dict) -> str:
+    return NAMES.sub(lambda m: names.setdefault(m.group(0), f"P{len(names)}"), text)
+
+
+def normalized(record: dict) -> tuple[list[str], str]:
+    """A configuration's traces (their lines without the source lines they quote) and plans, names renamed in order
+    of appearance (traces first, then the plans, with the same renaming)."""
+    names: dict = {}
+    lines = [_renamed(re.sub(r"\s+# .*$", "", line), names) for t in record["traces"] for line in t.splitlines()
+             if not line.strip().startswith("#")]
+    return lines, _renamed(json.dumps(record["plans"], sort_keys=True), names)
+
+
+def same_behaviour(before: dict, after: dict) -> list[str]:
+    """The configurations whose traces or plans differ other than by names and quoted source (sorted)."""
+    return sorted(k for k in set(before) | set(after)
+                  if k not in before or k not in after or normalized(before[k]) != normalized(after[k]))
+
+
 def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out")
+    p.add_argument("--only", nargs="*", help="configuration names (default: all)")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two fingerprint files")
+    a = p.parse_args(argv)
+    if a.compare:
+        before, after = (json.load(open(f)) for f in a.compare)
+        differ = same_behaviour(before, after)
+        print(f"{len(before)} configuration(s); differing other than by names: {differ or 'none'}")
+        raise SystemExit(1 if differ else 0)
+    if not a.out:
+        p.error("--out is required (or --compare)")
     from thunder_fp8shard.testing.harness import run_simulated
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--only", nargs="*", help="configuration names (default: all)")
-    a = p.parse_args(argv)
     out = {}
     for fingerprint, configs in ((mlp_fingerprint, MLP), (llama_fingerprint, LLAMA)):
         for name, n, fields in configs:

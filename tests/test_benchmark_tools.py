@@ -328,3 +328,15 @@ def test_the_plan_summary_leaves_out_a_plan_replanned_after_a_missed_budget():
     s = plan_summary(types.SimpleNamespace(plans=[plan(100, True), plan(700, False)]))
     assert (s["sharded_bytes"], s["fp8_sharded_bytes"], s["plans"], s["replanned"]) == (700, 700, 1, 1)
     assert plan_summary(types.SimpleNamespace(plans=[plan(100, False)]))["replanned"] == 0
+
+
+def test_fingerprints_compare_plans_and_traces_up_to_names_and_quoted_source():
+    import plan_fingerprints as fp
+
+    trace = "def computation(t_a_weight, x):\n  # toy_models.py:29: x * 2\n  t5 = mul(x, t_a_weight)  # t5: f32[2]\n  return t5"
+    renamed = "def computation(weight, x):\n  # toy_models.py:31: torch.mul(x, 2)\n  t8 = mul(x, weight)  # t8: f32[2]\n  return t8"
+    plans = lambda n: [{"decisions": [{"name": n, "nbytes": 4}]}]  # noqa: E731
+    before = {"c": {"traces": [trace], "plans": plans("t5")}}
+    assert fp.same_behaviour(before, {"c": {"traces": [renamed], "plans": plans("t8")}}) == []
+    assert fp.same_behaviour(before, {"c": {"traces": [renamed.replace("mul", "add")], "plans": plans("t8")}}) == ["c"]
+    assert fp.same_behaviour(before, {"c": {"traces": [renamed], "plans": [{"decisions": [{"name": "t8", "nbytes": 5}]}]}}) == ["c"]

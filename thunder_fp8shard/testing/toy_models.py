@@ -116,10 +116,14 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = torch.split(_linear(self.qkv, _norm(self.norm_1, x)), c, dim=-1)
+        shape = (b, t, self.n_head, c // self.n_head)  # no generator expression: each next() is interpreted
         if self.rope:  # LitGPT: q.view(B, T, n_head, head_size).transpose(1, 2)
-            q, k, v = (torch.transpose(z.view(b, t, self.n_head, c // self.n_head), 1, 2) for z in (q, k, v))
+            q, k, v = torch.transpose(q.view(shape), 1, 2), torch.transpose(k.view(shape), 1, 2), torch.transpose(
+                v.view(shape), 1, 2)
         else:
-            q, k, v = (torch.transpose(torch.reshape(z, (b, t, self.n_head, c // self.n_head)), 1, 2) for z in (q, k, v))
+            q = torch.transpose(torch.reshape(q, shape), 1, 2)
+            k = torch.transpose(torch.reshape(k, shape), 1, 2)
+            v = torch.transpose(torch.reshape(v, shape), 1, 2)
         if self.rope:
             n = cos.shape[-1]  # the roped part, as LitGPT's rope_n_elem
             q = torch.cat((apply_rope(q[..., :n], cos, sin), q[..., n:]), dim=-1)
