@@ -23,8 +23,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SMALL = dict(n_layer=2, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096, seq_len=256,
-             micro_batch_size=2)
 OURS = ("thunder_fp8shard", "transformer_engine", "litgpt_run", "memory_at_peak")
 
 
@@ -111,7 +109,7 @@ def main() -> None:
 
     res = {}
     for shard in (False, True):
-        cfg = bench.RunConfig(**SMALL, setup=args.setup, shard=shard, steps=args.steps)
+        cfg = bench.RunConfig(**bench.TINY, setup=args.setup, shard=shard, steps=args.steps)
         res["with" if shard else "without"] = run_simulated(rank_fn, args.world_size, cfg, args.steps)
     for name, r in res.items():
         print(f"== {args.setup} {name}: peak {r['replayed_peak']:,} B replayed ({r['max_memory_allocated']:,} B "
@@ -128,7 +126,7 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"memory_at_peak_{args.setup}.json"), "w") as f:
-            json.dump({"setup": args.setup, "config": SMALL, **res}, f, indent=1)
+            json.dump({"setup": args.setup, "config": bench.TINY, **res}, f, indent=1)
 
 
 if __name__ == "__main__":

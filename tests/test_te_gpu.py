@@ -43,8 +43,7 @@ if not torch.cuda.is_available():
 from thunder_fp8shard.testing import litgpt_run as bench  # noqa: E402
 from thunder_fp8shard.testing.harness import run_on_ranks, run_simulated  # noqa: E402
 
-SMALL = dict(n_layer=2, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096, seq_len=256,
-             micro_batch_size=2, steps=3, return_grads=True)
+SMALL = dict(bench.TINY, steps=3, return_grads=True)
 
 
 def test_payload_roundtrip_float8tensor():

@@ -23,6 +23,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+# the GPU tests' litgpt Llama-2-7b-hf config, shrunk to keep them fast (``tests/test_te_gpu.py``,
+# ``benchmarks/memory_at_peak.py``): RunConfig overrides
+TINY = dict(n_layer=2, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096, seq_len=256, micro_batch_size=2)
+
+
 @dataclass
 class RunConfig:
     model: str = "litgpt"  # "toy": thunder_fp8shard.testing.toy_models.FakeFP8Llama (fake FP8, no litgpt: CPU runs)
