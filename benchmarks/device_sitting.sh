@@ -14,10 +14,12 @@ FLAGS="--distributed_mode=fsdp --shard_mode=zero3 --model_name=Llama-2-7b-hf --m
 FP8="--low_precision_mode=fp8-default-te"
 export PYTHONUNBUFFERED=1
 
-paired() {  # name, arms, timed, flags... (timed alone, see above)
+paired() {  # name, arms, timed, [paired.py's own flags... --] flags... (timed alone, see above)
   local name=$1 arms=$2 timed=$3; shift 3
+  local own=()
+  if [[ " $* " == *" -- "* ]]; then while [ "$1" != "--" ]; do own+=("$1"); shift; done; shift; fi
   python3 benchmarks/paired.py --simulate 8 --timed "$timed" --gpu-lock "$R/gpu.lock" --busy "$R/busy/$JOB" \
-    --arms "$arms" --out "$R/paired/$name" -- "$@" > "$R/logs/$name.log" 2>&1
+    "${own[@]}" --arms "$arms" --out "$R/paired/$name" -- "$@" > "$R/logs/$name.log" 2>&1
   echo "$name rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
 }
@@ -63,6 +65,18 @@ fp8_32_budget() {  # a budget 3 GB under the base's peak, beside fp8_32 (its own
     "budget_below_base_bytes": 3000000000}}' 40 $FLAGS $FP8 --n_layers=32
 }
 
+# 2026-12-02, second session: one model a run, every arm a program of it (paired.py --one-model); "old" is the pass
+# as the session found it (596b2e3: carry .rev/, made by `git archive -o .rev/596b2e3.tar 596b2e3 thunder_fp8shard`)
+OLD='"old": {"optimizer_states": 2, "revision": "596b2e3"}'
+
+fp8_8_one_model() {  # s3: the one-model runs checked on the device, and the operators' costs profiled
+  mkdir -p "$R/traces"
+  paired paired_fp8_l8_n8_one_model "{\"without\": null, \"null\": null, $OLD, \"default\": {\"optimizer_states\": 2},
+    \"compact\": {\"pass\": \"compact\", \"optimizer_states\": 2},
+    \"budget0.5\": {\"optimizer_states\": 2, \"policy\": \"budget\", \"budget_below_base_bytes\": 500000000}}" 20 \
+    --one-model --profile --profile-arms without,old,default --trace-dir "$R/traces" -- $FLAGS $FP8 --n_layers=8
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -p no:cacheprovider -s --durations=20 \
@@ -75,7 +89,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   local job
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "$(declare -f paired memory_only "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8'; $job" \
+    setsid nohup bash -c "$(declare -f paired memory_only "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD'; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -87,7 +101,8 @@ case "${1:-}" in
       s1) launch gpu_tests fp8_8 bf16_8 setups_8; echo 6 > "$R/logs/expected" ;;  # setups_8: three results
       # the GPU module runs in a later call of the sitting (pytest -n 3), which removes busy/gpu_tests_later
       s2) touch "$R/busy/gpu_tests_later"; launch fp8_32 fp8_32_budget; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2"; exit 2 ;;
+      s3) launch fp8_8_one_model; echo 1 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3"; exit 2 ;;
     esac
     echo started ;;
   collect)

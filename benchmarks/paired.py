@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchlib import ROOT
+from benchlib import ROOT, shared_compile
 from benchlib.patches import on_the_cpu, pass_appended, pass_gathers_on_their_own_stream, simulate
 from benchlib.reporting import accuracy_reports, device_name, flag, plan_summary, results_table, split_argv
 from benchlib.revisions import import_revision
@@ -80,6 +80,9 @@ class Arm:
     which: str = "shard"  # the pass: "shard" (ShardIntermediates) or "compact" (CompactSavedViews: compaction alone)
     build_s: float = 0.0
     first_iteration_s: float = 0.0
+    entries: list | None = None  # --one-model: the arm's programs, cache entries of the base's model
+    program_s: float | None = None  # --one-model: seconds its programs took (the pass's hooks, the callables)
+    replans: int = 0  # --one-model: programs made again after the pass dropped them (a missed budget's replan)
     notes: list[str] = field(default_factory=list)
 
 
@@ -167,24 +170,37 @@ def _count_pass(model, shard) -> int | None:
         return None
 
 
-def warm_up(torch, arm: Arm, drawn: list, warmup: int) -> None:
-    """The arm's first iteration (it compiles), then ``warmup`` more; on CUDA, the steady state's peak (the warm-up
-    iterations': the first backward after an optimizer step, too) and the bytes the arm added."""
+def warm_up(torch, arm: Arm, drawn: list, warmup: int, base: Arm | None = None) -> None:
+    """The arm's first iteration (it compiles, unless it is a program of the base's model), then ``warmup`` more; on
+    CUDA, the steady state's peak (the warm-up iterations': the first backward after an optimizer step, too) and the
+    bytes the arm added. ``base`` (``--one-model``): the arm's programs run (:func:`_activate`) before each iteration;
+    where its pass replanned, the new programs get ``warmup`` more iterations (their own checks run in them)."""
     dev = arm.bench.device
     cuda = dev.type == "cuda"
+    if base is not None:
+        _activate(base, arm)
     t = time.perf_counter()
     step(arm.bench, drawn[0])  # compiles
     arm.first_iteration_s = time.perf_counter() - t
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-    for k in range(warmup):
+    k = 0
+    while k < warmup:
+        if base is not None and _activate(base, arm) and arm.replans <= 3:
+            k = 0
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
         step(arm.bench, drawn[k % len(drawn)])
+        k += 1
     if cuda:
         torch.cuda.synchronize(dev)
         arm.alone_peak_bytes = torch.cuda.max_memory_allocated(dev)
         arm.resident_bytes = torch.cuda.memory_allocated(dev) - arm.before_bytes
-    print(f"[paired] built {arm.name}: {arm.build_s:.1f} s, first iteration {arm.first_iteration_s:.1f} s, "
+    made = f" (a program of the base's model, made in {arm.program_s:.1f} s, {arm.replans} replan(s))" if (
+        arm.program_s is not None) else ""
+    print(f"[paired] built {arm.name}{made}: {arm.build_s:.1f} s, first iteration {arm.first_iteration_s:.1f} s, "
           f"resident {arm.resident_bytes / 1e9:.2f} GB, peak so far {(arm.alone_peak_bytes or 0) / 1e9:.2f} GB",
           flush=True)
 
@@ -197,6 +213,8 @@ def build_arms(torch, bl, arms: list[Arm], kwargs: dict, passes: dict, args, ran
     dev = bl.device
     cuda = dev.type == "cuda"
     order = sorted(arms, key=lambda a: a.options is not None)
+    if args.one_model:
+        return _build_programs(torch, bl, order, kwargs, passes, args, rank)
     drawn, placeholder = None, None
     for j, arm in enumerate(order):
         placeholder = None  # freed: the next reservation is made for the arms after this one
@@ -214,6 +232,59 @@ def build_arms(torch, bl, arms: list[Arm], kwargs: dict, passes: dict, args, ran
     return drawn
 
 
+def _build_programs(torch, bl, order: list[Arm], kwargs: dict, passes: dict, args, rank: int) -> list:
+    """``--one-model``: the base built and warmed up as without it; every other arm a program of the base's model
+    (:mod:`benchlib.shared_compile`), its pass compiled now, with the optimizer's state resident (counted by the
+    resident measurement: ``optimizer_states`` 0), then warmed up. Returns the batches."""
+    base = order[0]
+    build(bl, base, kwargs, passes)
+    drawn = batches(base.bench, rank)
+    warm_up(torch, base, drawn, args.warmup)
+    if not shared_compile.shareable(base.bench.model):
+        raise SystemExit("--one-model: the base is not one Thunder-jitted module (ThunderFX compiles each subgraph "
+                         "through Dynamo): build each arm on its own")
+    base.entries = shared_compile.entries(base.bench.model)
+    cuda = bl.device.type == "cuda"
+    for arm in order[1:]:
+        arm.bench, arm.before_bytes = base.bench, base.before_bytes
+        if arm.options is None:
+            arm.entries, arm.program_s = base.entries, 0.0
+        else:
+            if "optimizer_states" in arm.options:
+                arm.notes.append(f"optimizer_states={arm.options['optimizer_states']} given: 0 used (the optimizer's "
+                                 "state is resident when the program is made, and measured with the resident memory)")
+            arm.options = {**arm.options, "optimizer_states": 0}
+            if arm.budget_below_base is not None:
+                # the same resident memory as the base's step: its peak less the bytes asked
+                arm.options["budget_bytes"] = base.alone_peak_bytes - arm.budget_below_base
+            arm.shard = passes[arm.revision, arm.which](**arm.options)
+            _make_programs(base, arm)
+            arm.notes.append("a program of the base's model (--one-model): the base's traces before the pass, "
+                             "rewritten by this arm's pass")
+        warm_up(torch, arm, drawn, args.warmup, base)
+        if cuda:
+            arm.resident_bytes = base.resident_bytes
+    return drawn
+
+
+def _make_programs(base: Arm, arm: Arm) -> None:
+    arm.entries, seconds = shared_compile.programs(base.bench.model, base.entries, arm.shard)
+    arm.program_s = (arm.program_s or 0.0) + seconds
+
+
+def _activate(base: Arm, arm: Arm) -> bool:
+    """``--one-model``: the model's next call runs ``arm``'s programs; where its pass dropped them (a missed budget
+    replans at the next call), they are made again first. True if they were."""
+    model = base.bench.model
+    replanned = arm.options is not None and shared_compile.dropped(model)
+    if replanned:
+        _make_programs(base, arm)
+        arm.replans += 1
+        print(f"[paired] {arm.name}: its pass replanned; its programs made again", flush=True)
+    shared_compile.activate(model, arm.entries)
+    return replanned
+
+
 # ---- the alternation ------------------------------------------------------------------------------------------------
 
 
@@ -228,6 +299,8 @@ def alternate(torch, arms: list[Arm], drawn: list, gc_log: GcLog, args) -> list[
     records = []
     t_start = time.perf_counter()
     for i, (quad, position, k) in enumerate(schedule):
+        if args.one_model:
+            _activate(arms[0], arms[k])  # outside the timed iteration; never a compilation among them
         r = timed_iteration(torch, arms[k].bench, drawn[i % len(drawn)], gc_log)
         if i >= n_warm:
             records.append(dict(r, quad=quad, position=position, arm=k, t_s=time.perf_counter() - t_start))
@@ -252,8 +325,10 @@ def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profi
         "launch": " ".join([os.path.basename(sys.executable), *sys.argv]), "started": args.started,
         "design": f"ABBA quads against the base arm, {args.timed} timed iterations per arm ({args.timed // 2} quads), "
                   f"{args.warmup_quads} warm-up quads per arm discarded, bootstrap 95% CI over quads; "
-                  f"gc.freeze after warm-up: {args.freeze_gc}",
-        "arms": [{"name": a.name, "options": a.options, "revision": a.revision, "build_s": a.build_s, "first_iteration_s": a.first_iteration_s,
+                  f"gc.freeze after warm-up: {args.freeze_gc}; "
+                  + ("one model, one compilation, every arm a program of it (--one-model)" if args.one_model else
+                     "every arm a model of its own, compiled on its own"),
+        "arms": [{"name": a.name, "options": a.options, "revision": a.revision, "build_s": a.build_s, "program_s": a.program_s, "replans": a.replans, "first_iteration_s": a.first_iteration_s,
                   "resident_GB": a.resident_bytes / 1e9,
                   "alone_peak_GB": None if a.alone_peak_bytes is None else a.alone_peak_bytes / 1e9,
                   "notes": a.notes, "plan": plan_summary(a.shard)} for a in arms],
@@ -355,12 +430,20 @@ def run(args, flags: list[str]) -> list[dict]:
     drawn = build_arms(torch, bl, arms, kwargs, passes, args, rank)
     with exclusive(args.gpu_lock, args.busy):
         records = alternate(torch, arms, drawn, gc_log, args)
-        profile = profile_steps(torch, {a.name: a.bench for a in arms}, drawn[0], args.trace_dir) if args.profile else None
+        profile = None
+        if args.profile:
+            before = {a.name: (lambda a=a: _activate(arms[0], a)) for a in arms} if args.one_model else None
+            profile = profile_steps(torch, {a.name: a.bench for a in arms if _profiled(a, args)}, drawn[0],
+                                    args.trace_dir, before=before)
     gc.callbacks.remove(gc_log)
     if rank != 0:
         return []
     common = describe(args, flags, arms, records, profile, dist, world_size)
     return [comparison(common, arms, k, records) for k in range(1, len(arms))]
+
+
+def _profiled(arm: Arm, args) -> bool:
+    return not args.profile_arms or arm.name in args.profile_arms.split(",")
 
 
 def write(results: list[dict], out: str) -> None:
@@ -397,7 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup-quads", type=int, default=2, help="alternating quads per arm before timing (discarded)")
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="do not gc.freeze() the objects alive after warm-up")
+    p.add_argument("--one-model", action="store_true",
+                   help="one model, compiled once: every arm after the base is a program of it, the base's traces "
+                        "before the pass rewritten by the arm's pass (benchlib/shared_compile.py; Thunder's jit only)")
     p.add_argument("--profile", action="store_true", help="afterwards, profile one iteration of each arm")
+    p.add_argument("--profile-arms", default=None, help="with --profile: the arms to profile (comma-separated; "
+                   "default: all)")
     p.add_argument("--trace-dir", default=None, help="with --profile: where the gzipped Chrome traces go")
     p.add_argument("--gpu-lock", default=None, metavar="PATH",
                    help="hold an exclusive lock on PATH while timing (runs of one sitting compile side by side, "

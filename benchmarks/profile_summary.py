@@ -10,9 +10,12 @@
   (it waited for an event, e.g. the end of a collective on another stream);
 - NCCL kernels per stream (count, time, kinds);
 - CPU time inside the pass's operators (their ``record_function`` ranges, ``fp8shard_*``) and inside the
-  collectives' CPU calls.
+  collectives' CPU calls;
+- each of the pass's operators by kind (``pass_ops``): calls, CPU time (µs a call, ms a step) and the device time of
+  the kernels, copies and memsets launched inside its calls (:func:`pass_op_costs`).
 
-Usage: ``python benchmarks/profile_summary.py trace.json[.gz]`` prints the summary as JSON.
+Usage: ``python benchmarks/profile_summary.py trace.json[.gz]`` prints the summary as JSON;
+``python benchmarks/profile_summary.py --table trace.json[.gz]`` prints the pass's operators as a markdown table.
 """
 
 from __future__ import annotations
@@ -74,6 +77,60 @@ def _stream_stats(kernels: list[dict], launch_ts: dict, min_gap_us: float) -> di
     }
 
 
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def pass_op_costs(trace: dict) -> dict:
+    """The pass's operators by name: calls, CPU ms (their ``record_function`` ranges, children included) and device ms
+    (the kernels, copies and memsets whose launch, matched by correlation id, lies inside one of its calls on the same
+    CPU thread). Nested ranges count for the innermost."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ranges = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"), e["name"]) for e in events
+                     if e.get("cat") in ("user_annotation", "cpu_op") and e["name"].startswith("fp8shard_")),
+                    key=lambda r: r[0])
+    out: dict = {}
+    for lo, hi, _, name in ranges:
+        row = out.setdefault(name, {"calls": 0, "cpu_ms": 0.0, "device_ms": 0.0, "device_events": 0})
+        row["calls"] += 1
+        row["cpu_ms"] += (hi - lo) / 1e3
+    launches = {e["args"]["correlation"]: (e["ts"], e.get("tid")) for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    starts = [r[0] for r in ranges]
+    import bisect
+
+    for d in (e for e in events if e.get("cat") in DEVICE_CATS):
+        at = launches.get(d.get("args", {}).get("correlation"))
+        if at is None:
+            continue
+        ts, tid = at
+        inner = None
+        for lo, hi, rtid, name in reversed(ranges[: bisect.bisect_right(starts, ts)]):
+            if lo <= ts <= hi and rtid == tid:
+                inner = name if inner is None else inner
+                break
+        if inner is not None:
+            out[inner]["device_ms"] += d.get("dur", 0) / 1e3
+            out[inner]["device_events"] += 1
+    for row in out.values():
+        row["cpu_us_per_call"] = 1e3 * row["cpu_ms"] / row["calls"]
+        row["cpu_ms"], row["device_ms"] = round(row["cpu_ms"], 4), round(row["device_ms"], 4)
+    return dict(sorted(out.items()))
+
+
+def pass_op_table(costs: dict) -> str:
+    """:func:`pass_op_costs` as a markdown table, with a total row."""
+    lines = ["| operator | calls a step | CPU µs a call | CPU ms a step | device ms a step | device events |",
+             "|---|---|---|---|---|---|"]
+    for name, r in costs.items():
+        lines.append(f"| `{name}` | {r['calls']} | {r['cpu_us_per_call']:.1f} | {r['cpu_ms']:.3f} | "
+                     f"{r['device_ms']:.3f} | {r['device_events']} |")
+    calls = sum(r["calls"] for r in costs.values())
+    lines.append(f"| total | {calls} | | {sum(r['cpu_ms'] for r in costs.values()):.3f} | "
+                 f"{sum(r['device_ms'] for r in costs.values()):.3f} | "
+                 f"{sum(r['device_events'] for r in costs.values())} |")
+    return "\n".join(lines)
+
+
 def summarize(trace: dict, min_gap_us: float = 10.0) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -126,8 +183,12 @@ def summarize(trace: dict, min_gap_us: float = 10.0) -> dict:
         "compute_backward": _stream_stats([k for k in main if launched_in_backward(k)], launch_ts, min_gap_us),
         "nccl_streams": nccl,
         "cpu_ranges": {n: {"count": c, "ms": round(ms, 3)} for n, (c, ms) in sorted(ranges.items())},
+        "pass_ops": pass_op_costs(trace),
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(summarize(load(sys.argv[1])), indent=1))
+    if sys.argv[1] == "--table":
+        print(pass_op_table(pass_op_costs(load(sys.argv[2]))))
+    else:
+        print(json.dumps(summarize(load(sys.argv[1])), indent=1))

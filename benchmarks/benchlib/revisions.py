@@ -1,5 +1,7 @@
 """Another git revision's pass in this process, beside this checkout's: its package extracted with ``git archive``
-and imported under another name (an arm's ``"revision"`` in ``paired.py``)."""
+and imported under another name (an arm's ``"revision"`` in ``paired.py``). Where the checkout has no git history (a
+copy of the working tree, as on the device machine), ``.rev/<rev>.tar`` is read instead: made beforehand with
+``git archive -o .rev/<rev>.tar <rev> thunder_fp8shard`` (``.rev/`` is ignored; carry it)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,13 @@ OTHER = "thunder_fp8shard_rev"
 def import_revision(rev: str, into: str):
     """The pass package of git revision ``rev``, extracted under ``into`` and imported as ``thunder_fp8shard_rev``
     (its imports, executor and operator names renamed, so that both versions coexist in one process)."""
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "thunder_fp8shard"], check=True,
-                             capture_output=True).stdout
+    saved = os.path.join(ROOT, ".rev", f"{rev}.tar")
+    if os.path.exists(saved):
+        with open(saved, "rb") as f:
+            archive = f.read()
+    else:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "thunder_fp8shard"], check=True,
+                                 capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         for member in tar.getmembers():
             if not member.isfile():

@@ -113,10 +113,13 @@ def timed_iteration(torch, bench, batch, gc_log: GcLog) -> dict:
     }
 
 
-def profile_steps(torch, benches: dict, batch, trace_dir: str | None, top: int = 40, tag: str = "paired") -> dict:
+def profile_steps(torch, benches: dict, batch, trace_dir: str | None, top: int = 40, tag: str = "paired",
+                  before: dict | None = None) -> dict:
     """One iteration of each of ``benches`` (name -> bench) under ``torch.profiler`` (CPU + CUDA): the operators with
     the most self CPU time, the pass's own operators, and (with ``trace_dir``) the Chrome trace, gzipped, summarized
-    by ``profile_summary.py`` (the compute stream's idle time waiting for the CPU, NCCL kernels per stream)."""
+    by ``profile_summary.py`` (the compute stream's idle time waiting for the CPU, NCCL kernels per stream, the pass's
+    operators by kind). ``before``: name -> a function called before each of that bench's iterations (``paired.py
+    --one-model``: the arm's programs made the model's)."""
     import gzip
     import shutil
 
@@ -125,7 +128,10 @@ def profile_steps(torch, benches: dict, batch, trace_dir: str | None, top: int =
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     for name, bench in benches.items():
+        ready = (before or {}).get(name, lambda: None)
+        ready()
         step(bench, batch)  # after the other one's profiled iteration: not profiled
+        ready()
         with torch.profiler.profile(activities=acts) as prof:
             step(bench, batch)
         events = prof.key_averages()
