@@ -77,9 +77,32 @@ fp8_8_one_model() {  # s3: the one-model runs checked on the device, and the ope
     --one-model --profile --profile-arms without,old,default --trace-dir "$R/traces" -- $FLAGS $FP8 --n_layers=8
 }
 
+B='"optimizer_states": 2, "policy": "budget", "budget_below_base_bytes"'
+
+fp8_32_curve() {  # s4: the trade-off curve from one run, the default against the pass as found, profiled
+  mkdir -p "$R/traces"
+  paired paired_fp8_l32_n8_curve "{\"without\": null, \"null\": null, $OLD, \"default\": {\"optimizer_states\": 2},
+    \"compact\": {\"pass\": \"compact\", \"optimizer_states\": 2}, \"budget1\": {$B: 1000000000},
+    \"budget2\": {$B: 2000000000}, \"budget4\": {$B: 4000000000}, \"budget6\": {$B: 6000000000}}" 40 \
+    --one-model --profile --profile-arms without,old,default --trace-dir "$R/traces" -- $FLAGS $FP8 --n_layers=32
+  touch "$R/busy/fp8_32_again" && (JOB=fp8_32_again; fp8_32_again)  # its second launch, once this one's memory is free
+}
+
+fp8_32_again() {  # s4: the default's second launch (item 4 asks two)
+  paired paired_fp8_l32_n8_again '{"without": null, "null": null, "default": {"optimizer_states": 2}}' 40 \
+    --one-model -- $FLAGS $FP8 --n_layers=32
+}
+
+bf16_32_curve() {  # s4: bf16's curve from one run
+  paired paired_bf16_l32_n8_curve "{\"without\": null, \"null\": null,
+    \"compact\": {\"pass\": \"compact\", \"optimizer_states\": 2}, \"budget4\": {\"candidates\": \"all\", $B: 4000000000},
+    \"budget8\": {\"candidates\": \"all\", $B: 8000000000}, \"all\": {\"candidates\": \"all\", \"optimizer_states\": 2}}" 40 \
+    --one-model -- $FLAGS --n_layers=32
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
-  OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -p no:cacheprovider -s --durations=20 \
+  OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
     > "$R/logs/test_te_gpu.log" 2>&1
   echo "gpu_tests rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
@@ -89,7 +112,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   local job
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "$(declare -f paired memory_only "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD'; $job" \
+    setsid nohup bash -c "$(declare -f paired memory_only fp8_32_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -102,6 +125,7 @@ case "${1:-}" in
       # the GPU module runs in a later call of the sitting (pytest -n 3), which removes busy/gpu_tests_later
       s2) touch "$R/busy/gpu_tests_later"; launch fp8_32 fp8_32_budget; echo 2 > "$R/logs/expected" ;;
       s3) launch fp8_8_one_model; echo 1 > "$R/logs/expected" ;;
+      s4) export GPU_TEST_WORKERS=5; launch gpu_tests fp8_32_curve bf16_32_curve; echo 4 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s1|s2|s3"; exit 2 ;;
     esac
     echo started ;;
