@@ -83,6 +83,7 @@ class Arm:
     entries: list | None = None  # --one-model: the arm's programs, cache entries of the base's model
     program_s: float | None = None  # --one-model: seconds its programs took (the pass's hooks, the callables)
     replans: int = 0  # --one-model: programs made again after the pass dropped them (a missed budget's replan)
+    failed: str | None = None  # --one-model: why the arm's programs could not be made or run (it is left out)
     notes: list[str] = field(default_factory=list)
 
 
@@ -257,11 +258,21 @@ def _build_programs(torch, bl, order: list[Arm], kwargs: dict, passes: dict, arg
             if arm.budget_below_base is not None:
                 # the same resident memory as the base's step: its peak less the bytes asked
                 arm.options["budget_bytes"] = base.alone_peak_bytes - arm.budget_below_base
-            arm.shard = passes[arm.revision, arm.which](**arm.options)
-            _make_programs(base, arm)
             arm.notes.append("a program of the base's model (--one-model): the base's traces before the pass, "
                              "rewritten by this arm's pass")
-        warm_up(torch, arm, drawn, args.warmup, base)
+        try:
+            if arm.options is not None:
+                arm.shard = passes[arm.revision, arm.which](**arm.options)
+                _make_programs(base, arm)
+            warm_up(torch, arm, drawn, args.warmup, base)
+        except Exception as e:  # one arm's failure leaves the others' comparisons standing
+            import traceback
+
+            arm.failed = f"{type(e).__name__}: {e}"
+            arm.notes.append(f"failed, left out: {traceback.format_exc()[-2000:]}")
+            print(f"[paired] {arm.name} failed and is left out: {arm.failed}", flush=True)
+            shared_compile.activate(base.bench.model, base.entries)
+            continue
         if cuda:
             arm.resident_bytes = base.resident_bytes
     return drawn
@@ -428,6 +439,8 @@ def run(args, flags: list[str]) -> list[dict]:
     gc_log = GcLog()
     gc.callbacks.append(gc_log)
     drawn = build_arms(torch, bl, arms, kwargs, passes, args, rank)
+    failed = [a for a in arms if a.failed]
+    arms = [a for a in arms if not a.failed]
     with exclusive(args.gpu_lock, args.busy):
         records = alternate(torch, arms, drawn, gc_log, args)
         profile = None
@@ -439,6 +452,8 @@ def run(args, flags: list[str]) -> list[dict]:
     if rank != 0:
         return []
     common = describe(args, flags, arms, records, profile, dist, world_size)
+    common["failed_arms"] = [{"name": a.name, "options": a.options, "failed": a.failed, "notes": a.notes}
+                             for a in failed]
     return [comparison(common, arms, k, records) for k in range(1, len(arms))]
 
 
