@@ -84,6 +84,7 @@ class Arm:
     program_s: float | None = None  # --one-model: seconds its programs took (the pass's hooks, the callables)
     replans: int = 0  # --one-model: programs made again after the pass dropped them (a missed budget's replan)
     failed: str | None = None  # --one-model: why the arm's programs could not be made or run (it is left out)
+    running: Arm | None = None  # --one-model, the base's: the arm whose programs are the model's cache now
     notes: list[str] = field(default_factory=list)
 
 
@@ -284,15 +285,21 @@ def _make_programs(base: Arm, arm: Arm) -> None:
 
 
 def _activate(base: Arm, arm: Arm) -> bool:
-    """``--one-model``: the model's next call runs ``arm``'s programs; where its pass dropped them (a missed budget
-    replans at the next call), they are made again first. True if they were."""
+    """``--one-model``: the model's next call runs ``arm``'s programs. The arm that ran last keeps the cache as its
+    programs left it (the pass may swap an entry for its steady-state one, or drop them all after a missed budget:
+    then they are made again, with the replanned pass, when that arm runs next). True if ``arm``'s were."""
     model = base.bench.model
-    replanned = arm.options is not None and shared_compile.dropped(model)
+    last = base.running
+    if last is not None:
+        now = shared_compile.entries(model)
+        last.entries = now if now or last.options is None else None
+    replanned = arm.entries is None
     if replanned:
         _make_programs(base, arm)
         arm.replans += 1
         print(f"[paired] {arm.name}: its pass replanned; its programs made again", flush=True)
     shared_compile.activate(model, arm.entries)
+    base.running = arm
     return replanned
 
 

@@ -340,3 +340,25 @@ def test_fingerprints_compare_plans_and_traces_up_to_names_and_quoted_source():
     assert fp.same_behaviour(before, {"c": {"traces": [renamed], "plans": plans("t8")}}) == []
     assert fp.same_behaviour(before, {"c": {"traces": [renamed.replace("mul", "add")], "plans": plans("t8")}}) == ["c"]
     assert fp.same_behaviour(before, {"c": {"traces": [renamed], "plans": [{"decisions": [{"name": "t8", "nbytes": 5}]}]}}) == ["c"]
+
+
+def test_one_model_arms_keep_the_cache_their_programs_leave_and_are_remade_after_a_drop(monkeypatch):
+    """``--one-model``: before an arm's iteration its programs become the model's cache; the arm that ran last keeps
+    the cache as its programs left it (a steady-state entry swapped in stays), and an arm whose pass dropped the
+    cache (a missed budget) gets its programs made again when it runs next."""
+    cache: list = []
+    made = []
+    monkeypatch.setattr(paired.shared_compile, "entries", lambda model: list(cache))
+    monkeypatch.setattr(paired.shared_compile, "activate", lambda model, es: cache.__setitem__(slice(None), es))
+    monkeypatch.setattr(paired.shared_compile, "programs",
+                        lambda model, base, shard: (made.append(shard) or [f"{shard}-v{len(made)}"], 0.1))
+    base = paired.Arm("without", None, bench=type("B", (), {"model": object()})(), entries=["base"])
+    arm = paired.Arm("with", {}, bench=base.bench, shard="with")
+    paired._make_programs(base, arm)
+    assert not paired._activate(base, arm) and cache == ["with-v1"]
+    cache[:] = ["with-steady"]  # the pass swapped its entry for the steady-state one
+    assert not paired._activate(base, base) and cache == ["base"] and arm.entries == ["with-steady"]
+    assert not paired._activate(base, arm) and cache == ["with-steady"]
+    cache.clear()  # its pass dropped the cache: replans at the next call
+    assert not paired._activate(base, base) and arm.entries is None and cache == ["base"]
+    assert paired._activate(base, arm) and cache == ["with-v2"] and arm.replans == 1
