@@ -1,4 +1,4 @@
-# A fresh machine needs only: `make demo` (set up, run the demo) and `make test` (set up, run the tests).
+# A fresh machine needs only: `make demo` (set up, run the README's quick start and the demo) and `make test` (set up, run the tests).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
+	$(PY) examples/quickstart.py
 	$(PY) -m thunder_fp8shard.demo
 
 test: setup
