@@ -88,8 +88,9 @@ fp8_32_curve() {  # s4: the trade-off curve from one run, the default against th
   touch "$R/busy/fp8_32_again" && (JOB=fp8_32_again; fp8_32_again)  # its second launch, once this one's memory is free
 }
 
-fp8_32_again() {  # s4: the default's second launch (item 4 asks two)
-  paired paired_fp8_l32_n8_again '{"without": null, "null": null, "default": {"optimizer_states": 2}}' 40 \
+fp8_32_again() {  # s4: the default's second launch (item 4 asks two), and the FP8 forward all-gather (issue #32)
+  paired paired_fp8_l32_n8_again '{"without": null, "null": null, "default": {"optimizer_states": 2},
+    "fwdgather": {"optimizer_states": 2, "fp8_forward_gather": true}}' 40 \
     --one-model -- $FLAGS $FP8 --n_layers=32
 }
 

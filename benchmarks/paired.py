@@ -375,6 +375,11 @@ def comparison(common: dict, arms: list[Arm], k: int, records: list[dict]) -> di
         "base": float(np.median([r["peak_bytes"] for r in records if r["arm"] == 0])) / 1e9,
         "arm": float(np.median([r["peak_bytes"] for r in records if r["arm"] == k])) / 1e9}
     res["gathered_bytes_per_step"] = plan.get("gathered_bytes_per_step")
+    before, after = plan.get("forward_gather_bytes_per_step") or (0, 0)
+    if before:  # fp8_forward_gather: the forward's weight all-gathers, in bf16 (the base's) and as the arm gathers them
+        res["forward_gather_bytes_per_step"] = {"base": before, "arm": after}
+        cast = plan.get("forward_cast_elements_per_step") or (0, 0)
+        res["forward_cast_elements_per_step"] = {"base": cast[0], "arm": cast[1]}
     if arm.budget_below_base is not None:
         worst = max(r["peak_bytes"] for r in records if r["arm"] == k)
         res["budget"] = {"below_base_bytes": arm.budget_below_base, "budget_bytes": arm.options["budget_bytes"],

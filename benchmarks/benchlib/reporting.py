@@ -42,6 +42,10 @@ def plan_summary(shard) -> dict | None:
         "peak_step_before": peak_where(getattr(plan, "timeline_before", None)),
         "peak_step_after": peak_where(getattr(plan, "timeline_after", None)),
         "gathered_bytes_per_step": total(lambda p: getattr(p, "gathered_bytes_per_step", 0)),
+        # fp8_forward_gather: the bytes each rank receives in the forward's all-gathers of TE linear weights a step,
+        # (without, with) the option's decisions, and the weight elements it casts to FP8
+        "forward_gather_bytes_per_step": [total(lambda p: getattr(p, "forward_gather_bytes", (0, 0))[i]) for i in (0, 1)],
+        "forward_cast_elements_per_step": [total(lambda p: getattr(p, "forward_cast_elements", (0, 0))[i]) for i in (0, 1)],
         "saving_fraction": getattr(plan, "saving_fraction", (plan.world_size - 1) / plan.world_size),
         "compactions": total(lambda p: len(getattr(p, "compacted", []))),
         "compacted_bytes": total(lambda p: getattr(p, "compacted_bytes_per_step", 0)),
