@@ -256,3 +256,20 @@ def test_a_real_fsdp_trace_without_te_is_left_alone(fsdp_traces):
     fg = fp8_gather.plan(fw, bw, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=group, world_size=2,
                          default_world_size=2, rank=0)
     assert fg.sites == () and "no TE linear weight" in fg.notes[0] and fg.apply(fw) is fw
+
+
+@pytest.mark.multirank
+def test_option_on_without_te_trains_exactly_and_says_why(on_ranks):
+    """The whole pass with ``fp8_forward_gather=True`` on the CPU (the toy Llama under ZeRO-3, two gloo ranks,
+    different data per rank, no TransformerEngine): nothing to gather in FP8, the plan says so, the fingerprint
+    still agrees across ranks, and losses and gradients stay bitwise those of the run without the pass."""
+    from thunder_fp8shard.testing import litgpt_run
+
+    toy = dict(model="toy", n_layer=1, n_embd=64, n_head=4, intermediate_size=96, vocab_size=128, seq_len=16,
+               micro_batch_size=2, steps=2, te=False, device="cpu", return_grads=True)
+    without = on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**toy, shard=False))
+    with_ = on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**toy, shard=True,
+                                                                  extra={"min_bytes": 0, "fp8_forward_gather": True}))
+    litgpt_run.assert_bitwise_equal_and_nonzero(without, with_, toy["steps"])
+    plan = with_[0]["plan"]
+    assert plan["forward_gather"] == [] and any("no TE linear weight" in n for n in plan["notes"]), plan["notes"]

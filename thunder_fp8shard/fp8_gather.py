@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
+from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_fp8shard import fp8_gather_ops as gops
@@ -100,8 +101,7 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     producer = {o.name: b for b in body for o in _outs(b)}
     uses = _consumers(body)
     returned = _returned(fw)
-    inputs = {p.name for p in fw.args if isinstance(p, TensorProxy)} | {
-        p.name for p in getattr(fw, "kwargs", {}).values() if isinstance(p, TensorProxy)}
+    inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)}
     recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
     sites = []
     for lin in body:

@@ -73,6 +73,7 @@ class WeightGatherHandle(NamedTuple):
     scale_inv: torch.Tensor | None  # fp8: the shard cast's scale-inverse (written by TE's kernel); None: fallback
     fp8_dtype: Any
     quantizer: Any  # fp8: the linear's weight quantizer (the Float8Tensor's, as TE's own cast would record it)
+    send: torch.Tensor | None = None  # what this rank sent, kept alive until the wait
 
 
 def exact_recipe(recipe) -> str | None:
@@ -101,7 +102,8 @@ def _start(shard: torch.Tensor, quantizer, recipe, spec: WeightGatherSpec) -> We
     n, c, cols = spec.world_size, spec.rows, spec.in_features
     if exact_recipe(recipe) is not None or not _is_float8_quantizer(quantizer):
         buf = shard.new_empty((n * c, cols))  # FSDP's bf16 all-gather, as it was
-        return WeightGatherHandle(spec.group._allgather_base(buf, shard.contiguous(), _ASYNC), buf, None, None, None)
+        send = shard.contiguous()
+        return WeightGatherHandle(spec.group._allgather_base(buf, send, _ASYNC), buf, None, None, None, send)
     q = spec.rowwise_copy(quantizer)(shard[: spec.valid_rows])  # padding rows (uninitialized) never enter the amax
     data = q._data
     if spec.valid_rows != c:
@@ -111,7 +113,7 @@ def _start(shard: torch.Tensor, quantizer, recipe, spec: WeightGatherSpec) -> We
         send = data.view(torch.uint8)
     buf = torch.empty((n * c, cols), dtype=torch.uint8, device=shard.device)
     work = spec.group._allgather_base(buf, send, _ASYNC)
-    return WeightGatherHandle(work, buf, q._scale_inv, q._fp8_dtype, quantizer)
+    return WeightGatherHandle(work, buf, q._scale_inv, q._fp8_dtype, quantizer, send)
 
 
 weight_gather_start = executor.register_operator("fp8shard_weight_gather_start", meta=_start_meta, fn=_start)
