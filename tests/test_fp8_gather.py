@@ -273,3 +273,72 @@ def test_option_on_without_te_trains_exactly_and_says_why(on_ranks):
     litgpt_run.assert_bitwise_equal_and_nonzero(without, with_, toy["steps"])
     plan = with_[0]["plan"]
     assert plan["forward_gather"] == [] and any("no TE linear weight" in n for n in plan["notes"]), plan["notes"]
+
+
+_run_ex = OperatorExecutor("fp8shard_test_runnable_te")
+_run_syms = {
+    "recipe": _run_ex.register_operator("get_te_fp8_recipe_90", meta=lambda: AnyProxy(None, prefix="r"),
+                                        fn=lambda: None),  # no recipe: the start operator falls back to bf16
+    "state": _run_ex.register_operator("get_te_fp8_state_90", meta=lambda r, mode, n: AnyProxy(None, prefix="s"),
+                                       fn=lambda r, mode, n: "state"),
+    "quantizers": _run_ex.register_operator(
+        "get_te_fp8_quantizers_90", meta=lambda s, n: tuple(AnyProxy(None, prefix="q") for _ in range(n)),
+        fn=lambda s, n: ("q_in", "q_w")),
+    "linear": _run_ex.register_operator("te_functional_linear_fwd", meta=_linear_meta,
+                                        fn=lambda a, w, bias, qi, qw: (a @ w.t(), a, w)),
+}
+
+
+def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
+    """A forward with Thunder's real all-gather and wait (one gloo rank) feeding a stand-in TE linear, rewritten and
+    run as Thunder runs it (its Python program): the operators print and execute, the spec travels as a constant,
+    the handle reaches the wait, and with no FP8 recipe the start operator's bf16 fallback gives the same result as
+    the program before the rewrite."""
+    import dataclasses
+
+    import torch
+    from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
+
+    def computation(x, t_w):
+        pass
+
+    trace = TraceCtx(computation)
+    with tracectx(trace):
+        x, shard = _t("x", (3, 8), dtypes.float32), _t("t_w", (5, 8), dtypes.float32)
+        trace.args = (x, shard)
+        fut = all_gather_prim_impl(shard, single_rank_group, True, None)
+        r = _run_syms["recipe"]()
+        s = _run_syms["state"](r, "forward", 2)
+        q_in, q_w = _run_syms["quantizers"](s, 2)
+        w = wait_prim_impl(fut)
+        y, qa, qw = _run_syms["linear"](x, w, None, q_in, q_w)
+        prims.python_return(y, ((qa, qw), (r,)))
+    (site,) = fp8_gather.find_sites(trace, None, group=single_rank_group, world_size=1, default_world_size=1,
+                                    recipe_problem=None)
+    assert site.why.startswith("one rank")
+    new = fp8_gather.rewrite(trace, [dataclasses.replace(site, why=None)], group=single_rank_group, world_size=1,
+                             rank=0, provenance="test")
+    names = [b.sym.name for b in new.bound_symbols]
+    assert "torch_all_gather_prim_impl" not in names and "fp8shard_weight_gather_start" in names, names
+    xs, ws = torch.randn(3, 8), torch.randn(5, 8)
+    want = trace.python_callable()(xs, ws)
+    got = new.python_callable()(xs, ws)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[0], xs @ ws.t()), str(new)
+
+
+def test_the_ranks_fingerprint_covers_the_forward_gather_decisions():
+    """A weight gathered in FP8 on one rank and in bf16 on another would hang the forward: the collectives the ranks
+    compare before the rewrite (thunder_fp8shard.agreement) include each row's shape and choice."""
+    from thunder_fp8shard.agreement import collectives
+    from thunder_fp8shard.plan import ForwardGather
+
+    def plan(fp8):
+        return ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+                         saved_bytes_after=0, forward_gather=[ForwardGather("t_w0", (64, 32), fp8, "", 2048, 1024,
+                                                                            2048, 1024)])
+
+    assert collectives(plan(True), verify=False) != collectives(plan(False), verify=False)
+    assert ("forward gather 0", "64x32 fp8") in collectives(plan(True), verify=False)
+    bare = ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+                     saved_bytes_after=0)
+    assert not any(k.startswith("forward gather") for k, _ in collectives(bare, verify=False))  # option off: as before

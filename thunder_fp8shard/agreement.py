@@ -146,7 +146,7 @@ def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
     fields.append(("gather order", ", ".join(str(b.index) for b in order) or "-"))
     # fp8_forward_gather: a weight gathered in FP8 on one rank and in bf16 on another would hang the forward
     fields += [(f"forward gather {i}", f"{'x'.join(map(str, g.shape))} {'fp8' if g.fp8 else 'bf16'}")
-               for i, g in enumerate(plan.forward_gather)]
+               for i, g in enumerate(getattr(plan, "forward_gather", ()))]
     return fields
 
 
