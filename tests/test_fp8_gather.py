@@ -51,6 +51,9 @@ _sym = {
                                       fn=lambda: None),
     "linear": _fake.register_operator("te_functional_linear_fwd", meta=_linear_meta, fn=lambda *a: None),
     "use": _fake.register_operator("some_torch_op", meta=lambda a: _t(None, a.shape), fn=lambda a: a),
+    "update": _fake.register_operator("te_fp8_amax_and_scale_update",
+                                      meta=lambda r, *, states, tokens: tuple(_t(None, t.shape) for t in tokens),
+                                      fn=lambda r, *, states, tokens: tokens),
 }
 
 
@@ -70,7 +73,7 @@ _quantizers = [_quantizers_sym(k) for k in range(8)]
 
 
 def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight=False, mode="forward",
-            quantizer_index=1, slice_end=None, batch=4):
+            quantizer_index=1, slice_end=None, batch=4, update=True):
     """A forward trace: for each ``(out, in)`` in ``weights`` a parameter shard input (``ceil(out/n)`` rows), its
     all-gather over ``group``, the wait, the unpad slice where ``n`` does not divide ``out`` (``pad=True`` forces
     one, ``slice_end`` replaces its end), the linear's state and quantizers, the TE linear. Returns the trace and
@@ -96,6 +99,8 @@ def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight
             s = _states[i](r, mode, 2)
             qs = _quantizers[i](s, 2)
             y, qa, qw = _sym["linear"](h, w, None, qs[0], qs[quantizer_index])
+            if update:
+                y, qa, qw = _sym["update"](r, states=(s,), tokens=(y, qa, qw))
             if extra_use:
                 _sym["use"](w)
             saved += [qa, qw] + ([w] if save_weight else [])
@@ -132,6 +137,7 @@ def test_padded_weight_is_eligible_through_its_unpad_slice():
     ("backward state", dict(mode="backward"), "does not come from a forward TE state"),
     ("input quantizer", dict(quantizer_index=0), "not output 1"),
     ("odd slice", dict(slice_end=60), "other than dropping its padding rows"),
+    ("no scale update", dict(update=False), "no te_fp8_amax_and_scale_update of the linear's state follows it"),
 ])
 def test_refusals_name_their_reason(case, kwargs, reason):
     trace, _ = forward([(64, 32)], **kwargs)
@@ -286,6 +292,9 @@ _run_syms = {
         fn=lambda s, n: ("q_in", "q_w")),
     "linear": _run_ex.register_operator("te_functional_linear_fwd", meta=_linear_meta,
                                         fn=lambda a, w, bias, qi, qw: (a @ w.t(), a, w)),
+    "update": _run_ex.register_operator("te_fp8_amax_and_scale_update",
+                                        meta=lambda r, *, states, tokens: tuple(_t(None, t.shape) for t in tokens),
+                                        fn=lambda r, *, states, tokens: tokens),
 }
 
 
@@ -312,6 +321,7 @@ def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
         q_in, q_w = _run_syms["quantizers"](s, 2)
         w = wait_prim_impl(fut)
         y, qa, qw = _run_syms["linear"](x, w, None, q_in, q_w)
+        y, qa, qw = _run_syms["update"](r, states=(s,), tokens=(y, qa, qw))
         prims.python_return(y, ((qa, qw), (r,)))
     (site,) = fp8_gather.find_sites(trace, None, group=single_rank_group, world_size=1, default_world_size=1,
                                     recipe_problem=None)

@@ -41,6 +41,7 @@ SLICE = "torch_slice_prim_impl"
 TE_LINEAR_FWD = "te_functional_linear_fwd"
 TE_QUANTIZERS = "get_te_fp8_quantizers"
 TE_STATE = "get_te_fp8_state"
+TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,9 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     returned = _returned(fw)
     inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)}
     recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
+    position = {id(b): i for i, b in enumerate(body)}
+    updated_at = {p.name: i for i, b in enumerate(body) if _name(b).startswith(TE_SCALE_UPDATE)
+                  for p in b.flat_proxy_args}  # each proxy (a TE state among them): its last scale update
     sites = []
     for lin in body:
         if not _name(lin).startswith(TE_LINEAR_FWD):
@@ -133,13 +137,15 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
                 gather=gather, shard=shard, wait=wait, slice_=sl, linear=lin, gathered=gathered, weight=w,
                 quantizers=qb, q_w=q_w, producer=producer, uses=uses, returned=returned, inputs=inputs,
                 group=group, world_size=world_size, default_world_size=default_world_size,
-                recipe_problem=recipe_problem, recomputed=recomputed)
+                recipe_problem=recipe_problem, recomputed=recomputed,
+                updated_after=updated_at.get(getattr(qb.args[0], "name", None), -1) > position[id(lin)]
+                if qb is not None and qb.args else False)
         sites.append(Site(lin, gather, wait, sl, qb, shard if isinstance(shard, TensorProxy) else None, w, why))
     return sites
 
 
 def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, quantizers, q_w, producer, uses,
-                   returned, inputs, group, world_size, default_world_size, recipe_problem, recomputed):
+                   returned, inputs, group, world_size, default_world_size, recipe_problem, recomputed, updated_after):
     if world_size < 2:
         return "one rank: nothing is gathered"
     if recipe_problem is not None:
@@ -178,6 +184,9 @@ def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, qua
     sb = producer.get(getattr(state, "name", None))
     if sb is None or not _name(sb).startswith(TE_STATE) or tuple(sb.args[1:3]) != ("forward", 2):
         return "the weight quantizer does not come from a forward TE state"
+    if not updated_after:
+        return ("no te_fp8_amax_and_scale_update of the linear's state follows it in the forward: the shards' amaxes "
+                "would not be all-reduced before a scale update")
     rows, out = shard.shape[0], weight.shape[0]
     if gathered.shape[0] != rows * world_size or out > rows * world_size:
         return "the gathered shape is not the shards' concatenation"
