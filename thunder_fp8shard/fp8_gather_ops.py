@@ -16,7 +16,8 @@ Forward, per eligible TE linear weight, replacing FSDP's bf16 ``all_gather`` + `
     quantized itself, so the saved copy has today's layout (``_transpose`` only, from ``tex.fp8_transpose``).
 
 Run-time fallback: where the recipe is not DelayedScaling with ``reduce_amax``, or the quantizer not a
-``Float8Quantizer`` (the recipe changed after compilation), the start op all-gathers the bf16 shard as FSDP did and
+``Float8Quantizer`` (the recipe changed after compilation), or an ``internal`` one (TE's own cast would return a bare
+storage, not the Float8Tensor the wait builds), the start op all-gathers the bf16 shard as FSDP did and
 the wait returns the unpadded bf16 weight, which TE casts as today. The recipe is process-global and set by the same
 user code on every rank, so every rank falls back alike (the collectives still match: one all-gather either way).
 """
@@ -100,7 +101,8 @@ def _start_meta(shard, quantizer, recipe, spec):
 
 def _start(shard: torch.Tensor, quantizer, recipe, spec: WeightGatherSpec) -> WeightGatherHandle:
     n, c, cols = spec.world_size, spec.rows, spec.in_features
-    if exact_recipe(recipe) is not None or not _is_float8_quantizer(quantizer):
+    # TE's own cast of the weight returns a Float8Tensor (the quantizer not ``internal``): the wait builds one too
+    if exact_recipe(recipe) is not None or not _is_float8_quantizer(quantizer) or getattr(quantizer, "internal", False):
         buf = shard.new_empty((n * c, cols))  # FSDP's bf16 all-gather, as it was
         send = shard.contiguous()
         return WeightGatherHandle(spec.group._allgather_base(buf, send, _ASYNC), buf, None, None, None, send)
