@@ -102,7 +102,8 @@ def _start_meta(shard, quantizer, recipe, spec):
 def _start(shard: torch.Tensor, quantizer, recipe, spec: WeightGatherSpec) -> WeightGatherHandle:
     n, c, cols = spec.world_size, spec.rows, spec.in_features
     # TE's own cast of the weight returns a Float8Tensor (the quantizer not ``internal``): the wait builds one too
-    if exact_recipe(recipe) is not None or not _is_float8_quantizer(quantizer) or getattr(quantizer, "internal", False):
+    if (exact_recipe(recipe) is not None or not _is_float8_quantizer(quantizer)
+            or getattr(quantizer, "internal", False)):
         buf = shard.new_empty((n * c, cols))  # FSDP's bf16 all-gather, as it was
         send = shard.contiguous()
         return WeightGatherHandle(spec.group._allgather_base(buf, send, _ASYNC), buf, None, None, None, send)
