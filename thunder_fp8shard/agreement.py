@@ -144,6 +144,9 @@ def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
                        f"{b.gather_at}, waited before step {b.first_use}"))
     order = sorted(plan.buckets, key=lambda b: (b.gather_at, b.index))
     fields.append(("gather order", ", ".join(str(b.index) for b in order) or "-"))
+    # fp8_forward_gather: a weight gathered in FP8 on one rank and in bf16 on another would hang the forward
+    fields += [(f"forward gather {i}", f"{'x'.join(map(str, g.shape))} {'fp8' if g.fp8 else 'bf16'}")
+               for i, g in enumerate(getattr(plan, "forward_gather", ()))]
     return fields
 
 

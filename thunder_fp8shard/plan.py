@@ -124,6 +124,22 @@ class Bucket:
     shard_until: int | None = None  # last step that op's shard is held: the wait of its last bucket
 
 
+@dataclass(frozen=True)
+class ForwardGather:
+    """One TE linear weight's forward all-gather (``fp8_forward_gather``, see :mod:`thunder_fp8shard.fp8_gather`):
+    gathered in FP8 (this rank casts its own rows, then the uint8 bytes are all-gathered) or left in bf16, and why.
+    Bytes are per rank, one execution: received = (N-1)/N of the gathered buffer."""
+
+    weight: str  # the trace input (this rank's parameter shard)
+    shape: tuple[int, ...]  # the full (unpadded) weight
+    fp8: bool
+    reason: str
+    received_bytes_before: int  # the bf16 all-gather's
+    received_bytes_after: int  # the uint8 all-gather's where fp8, else as before
+    cast_elements_before: int  # weight elements this rank casts to FP8: the full weight (TE's own cast)
+    cast_elements_after: int  # its valid rows where fp8
+
+
 @dataclass
 class ShardPlan:
     """What the pass did to one compiled cache entry (forward trace + backward trace)."""
@@ -170,6 +186,21 @@ class ShardPlan:
     # the forward calls of this compiled program in the first step, counted at run time (until its first backward):
     # under ThunderFX one program serves every block of the same class and shapes; None until the first backward
     runs_per_step: int | None = None
+    # fp8_forward_gather: one row per TE linear weight all-gathered in the forward (empty: option off or no such weight)
+    forward_gather: list[ForwardGather] = field(default_factory=list)
+
+    @property
+    def forward_gather_bytes(self) -> tuple[int, int]:
+        """Bytes each rank receives in the forward all-gathers of TE linear weights, one execution, (without, with)
+        ``fp8_forward_gather``'s decisions."""
+        return (sum(g.received_bytes_before for g in self.forward_gather),
+                sum(g.received_bytes_after for g in self.forward_gather))
+
+    @property
+    def forward_cast_elements(self) -> tuple[int, int]:
+        """Weight elements each rank casts to FP8 in the forward, one execution, (without, with)."""
+        return (sum(g.cast_elements_before for g in self.forward_gather),
+                sum(g.cast_elements_after for g in self.forward_gather))
 
     @property
     def k(self) -> int:
@@ -269,6 +300,7 @@ class ShardPlan:
             lines.append(f"budget: the choice moves {fmt_bytes(t['moved_bytes'])} a step (shards' payloads, compactions' "
                          "copies); " + ("no choice meeting the target can move less than "
                                         f"{fmt_bytes(bound)}" if bound is not None else "no choice can meet the target"))
+        lines += self._forward_gather_lines()
         lines += self._run_time_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -287,6 +319,18 @@ class ShardPlan:
                 f"{fmt_bytes(sum(c.freed_bytes for c in taken))} freed, {fmt_bytes(self.compacted_bytes_per_step)} "
                 "copied a step")
         return [head, *table(header, rows)]
+
+    def _forward_gather_lines(self) -> list[str]:
+        """fp8_forward_gather: each TE linear weight's forward all-gather, FP8 or bf16 and why, and the totals."""
+        if not self.forward_gather:
+            return []
+        (rb, ra), (cb, ca) = self.forward_gather_bytes, self.forward_cast_elements
+        head = (f"forward all-gather of TE linear weights (fp8_forward_gather): "
+                f"{sum(g.fp8 for g in self.forward_gather)} of {len(self.forward_gather)} in FP8; received per rank "
+                f"{fmt_bytes(rb)} -> {fmt_bytes(ra)}, weight elements cast per rank {cb:,} -> {ca:,}")
+        rows = [(g.weight, "x".join(map(str, g.shape)), "fp8" if g.fp8 else "bf16", f"{g.received_bytes_after:,}",
+                 g.reason) for g in self.forward_gather]
+        return [head, *table(("weight", "shape", "gathered as", "received bytes", "reason"), rows)]
 
     def _run_time_lines(self) -> list[str]:
         """What the run-time checks found (see thunder_fp8shard.audit), once they ran."""

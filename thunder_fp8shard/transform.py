@@ -22,7 +22,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fp8shard import integrations
+from thunder_fp8shard import fp8_gather, integrations
 from thunder_fp8shard.agreement import agree, check, largest
 from thunder_fp8shard.analysis import analyze
 from thunder_fp8shard.audit import Calibration, SavedAudit, cache_dropper, calibration_term, expected_storages
@@ -134,6 +134,9 @@ class ShardIntermediates(Transform):
                                 world_size, self._empty_plan(setup, shards), agreed.values)  # pure
         for warning in warns:
             warnings.warn(f"{type(self).__name__}: {warning}", stacklevel=2)
+        fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
+                                     group=setup and setup.group, world_size=setup.world_size if setup else 1)
+        plan.forward_gather, plan.notes = list(fwd_gather.rows), [*plan.notes, *fwd_gather.notes]
         if group is not None:
             check(plan, group, verify=o.verify)  # before any collective of the plan
         shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
@@ -152,10 +155,13 @@ class ShardIntermediates(Transform):
                            [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
         calibration = Calibration(plan, program_device(fw), plan.budget_bytes, functools.partial(largest, group=group),
                                   functools.partial(self._replan, pending.stats), audit)
+        new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
         fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
         pending.stand_in.bound_symbols = fw_trace.bound_symbols
         pending.stand_in.set_provenance(fw_trace.get_provenance())
         plan.operator_calls = operator_calls(fw_trace, new_bw)
+        if fwd_gather.sites:
+            plan.operator_calls.update(fp8_gather.operator_calls(fw_trace))
         plan.pass_seconds = pending.seconds + time.perf_counter() - start
         self._record(plan)
         return new_bw

@@ -269,6 +269,10 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             "compacted": len(plan.compacted), "compacted_bytes": plan.compacted_bytes_per_step,
             "audit": plan.audit, "calibration": plan.calibration, "runs_per_step": plan.runs_per_step,
             "decisions": [{**asdict(d), "shape": list(d.shape), "bytes_saved": d.bytes_saved} for d in plan.decisions],
+            "operator_calls": dict(plan.operator_calls), "notes": list(plan.notes),
+            # fp8_forward_gather's rows (empty with the option off)
+            "forward_gather": [{**asdict(g), "shape": list(g.shape)} for g in plan.forward_gather],
+            "forward_gather_bytes": list(plan.forward_gather_bytes),
         }
         if rank == 0:
             print(plan, flush=True)

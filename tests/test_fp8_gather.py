@@ -1,0 +1,354 @@
+"""``fp8_forward_gather`` on the CPU, without TransformerEngine (thunder_fp8shard.fp8_gather): which TE linear weights
+are gathered in FP8 and why the others are not, on synthetic forward traces shaped like Thunder FSDP ZeRO-3 + TE's
+executor (``all_gather -> wait [-> slice] -> te_functional_linear_fwd``, the recipe/state/quantizer getters); the
+mechanical rewrite; the plan's rows and bytes; the recipe check the run-time fallback shares; and that a real Thunder
+FSDP trace without TE is left alone. The GPU tests (``tests/test_te_gpu.py::test_fp8_forward_all_gather_*``) settle
+exactness."""
+
+from __future__ import annotations
+
+import pytest
+from thunder.core import devices, dtypes, prims
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.core.trace import TraceCtx, tracectx
+from thunder.extend import OperatorExecutor
+
+from thunder_fp8shard import fp8_gather
+from thunder_fp8shard.fp8_gather_ops import WeightGatherSpec, exact_recipe
+from thunder_fp8shard.plan import ShardPlan
+
+_fake = OperatorExecutor("fp8shard_test_fake_fsdp_te")
+GROUP, OTHER_GROUP = object(), object()
+CPU = devices.to_device("cpu")
+
+
+def _t(name, shape, dtype=dtypes.bfloat16):
+    return TensorProxy(name, shape=shape, dtype=dtype, device=CPU, requires_grad=False)
+
+
+def _gather_meta(a, group, do_async, dim=None):
+    return AnyProxy(None, prefix="fut")
+
+
+def _wait_meta(fut):
+    return _t(None, (0, 0))  # rebound with explicit outputs below
+
+
+def _slice_meta(a, start, end, strides=None):
+    return _t(None, tuple(e - s for s, e in zip(start, end)))
+
+
+def _linear_meta(a, w, bias, q_in, q_w):
+    return _t(None, (*a.shape[:-1], w.shape[0])), _t(None, a.shape), _t(None, w.shape)
+
+
+_sym = {
+    "gather": _fake.register_operator("torch_all_gather_prim_impl", meta=_gather_meta, fn=lambda *a: None),
+    "wait": _fake.register_operator("torch_wait_prim_impl", meta=_wait_meta, fn=lambda *a: None),
+    "slice": _fake.register_operator("torch_slice_prim_impl", meta=_slice_meta, fn=lambda *a: None),
+    "recipe": _fake.register_operator("get_te_fp8_recipe_0", meta=lambda: AnyProxy(None, prefix="r"),
+                                      fn=lambda: None),
+    "linear": _fake.register_operator("te_functional_linear_fwd", meta=_linear_meta, fn=lambda *a: None),
+    "use": _fake.register_operator("some_torch_op", meta=lambda a: _t(None, a.shape), fn=lambda a: a),
+    "update": _fake.register_operator("te_fp8_amax_and_scale_update",
+                                      meta=lambda r, *, states, tokens: tuple(_t(None, t.shape) for t in tokens),
+                                      fn=lambda r, *, states, tokens: tokens),
+}
+
+
+def _state_sym(k):
+    return _fake.register_operator(f"get_te_fp8_state_{k}", meta=lambda r, mode, n: AnyProxy(None, prefix="s"),
+                                   fn=lambda *a: None)
+
+
+def _quantizers_sym(k):
+    return _fake.register_operator(f"get_te_fp8_quantizers_{k}",
+                                   meta=lambda s, n: tuple(AnyProxy(None, prefix="q") for _ in range(n)),
+                                   fn=lambda *a: None)
+
+
+_states = [_state_sym(k) for k in range(8)]
+_quantizers = [_quantizers_sym(k) for k in range(8)]
+
+
+def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight=False, mode="forward",
+            quantizer_index=1, slice_end=None, batch=4, update=True):
+    """A forward trace: for each ``(out, in)`` in ``weights`` a parameter shard input (``ceil(out/n)`` rows), its
+    all-gather over ``group``, the wait, the unpad slice where ``n`` does not divide ``out`` (``pad=True`` forces
+    one, ``slice_end`` replaces its end), the linear's state and quantizers, the TE linear. Returns the trace and
+    the shard proxies."""
+    trace = TraceCtx()
+    body = []
+    trace.bound_symbols = body
+    with tracectx(trace):
+        x = _t("x", (batch, weights[0][1]))
+        shards = [_t(f"t_w{i}", (-(-out // n), cols)) for i, (out, cols) in enumerate(weights)]
+        trace.args = (x, *shards)
+        r = _sym["recipe"]()
+        saved = []
+        h = x
+        for i, ((out, cols), shard) in enumerate(zip(weights, shards)):
+            rows = shard.shape[0]
+            fut = _sym["gather"](shard, group, True, None)
+            full = _t(f"w_full{i}", (rows * n, cols))
+            body.append(_sym["wait"].bind(fut, output=full))
+            w = full
+            if pad or rows * n != out or slice_end is not None:
+                w = _sym["slice"](full, [0, 0], [slice_end or out, cols], [1, 1])
+            s = _states[i](r, mode, 2)
+            qs = _quantizers[i](s, 2)
+            y, qa, qw = _sym["linear"](h, w, None, qs[0], qs[quantizer_index])
+            if update:
+                y, qa, qw = _sym["update"](r, states=(s,), tokens=(y, qa, qw))
+            if extra_use:
+                _sym["use"](w)
+            saved += [qa, qw] + ([w] if save_weight else [])
+            h = y
+        prims.python_return(h, (tuple(saved), (r,)))
+    return trace, shards
+
+
+def _sites(trace, bw=None, *, n=2, recipe_problem=None, default=None, group=GROUP):
+    return fp8_gather.find_sites(trace, bw, group=group, world_size=n, default_world_size=default or n,
+                                 recipe_problem=recipe_problem)
+
+
+def test_eligible_weights_without_padding():
+    trace, shards = forward([(64, 32), (48, 64)])
+    sites = _sites(trace)
+    assert [s.why for s in sites] == [None, None]
+    assert [s.shard.name for s in sites] == ["t_w0", "t_w1"] and all(s.slice is None for s in sites)
+
+
+def test_padded_weight_is_eligible_through_its_unpad_slice():
+    trace, _ = forward([(40, 32)], n=3)  # 14 rows a rank, 2 padding rows on the last
+    (site,) = _sites(trace, n=3)
+    assert site.why is None and site.slice is not None
+    (row,) = fp8_gather.decisions([site], 3)
+    assert row.received_bytes_before == 42 * 32 * 2 * 2 // 3 and row.received_bytes_after == 42 * 32 * 2 // 3
+    assert row.cast_elements_before == 40 * 32 and row.cast_elements_after == 14 * 32
+
+
+@pytest.mark.parametrize("case, kwargs, reason", [
+    ("second consumer", dict(extra_use=True), "another use (some_torch_op)"),
+    ("saved weight", dict(save_weight=True), "returned or saved for backward"),
+    ("other group", dict(group=OTHER_GROUP), "process group other than FSDP's"),
+    ("backward state", dict(mode="backward"), "does not come from a forward TE state"),
+    ("input quantizer", dict(quantizer_index=0), "not output 1"),
+    ("odd slice", dict(slice_end=60), "other than dropping its padding rows"),
+    ("no scale update", dict(update=False), "no te_fp8_amax_and_scale_update of the linear's state follows it"),
+])
+def test_refusals_name_their_reason(case, kwargs, reason):
+    trace, _ = forward([(64, 32)], **kwargs)
+    (site,) = _sites(trace)
+    assert site.why is not None and reason in site.why, (case, site.why)
+    (row,) = fp8_gather.decisions([site], 2)
+    assert not row.fp8 and row.reason == site.why and row.received_bytes_after == row.received_bytes_before
+    assert fp8_gather.rewrite(trace, [site], group=GROUP, world_size=2, rank=0, provenance="x") is trace
+
+
+def test_refused_when_a_rank_holds_no_row():
+    trace, _ = forward([(8, 32)], n=6)  # ceil(8/6) = 2 rows a rank: ranks 4 and 5 hold none
+    (site,) = _sites(trace, n=6)
+    assert "a rank would hold no valid row" in site.why
+
+
+def test_refused_recipe_recompute_world_and_one_rank():
+    trace, _ = forward([(64, 32)])
+    why = exact_recipe(type("DelayedScaling", (), {"reduce_amax": False})())
+    assert "reduce_amax=False" in why
+    assert _sites(trace, recipe_problem=why)[0].why == why
+    assert "FSDP's group has 2 ranks" in _sites(trace, default=4)[0].why
+    bw, _ = forward([(64, 32)])  # any TE linear forward in the backward: activation checkpointing
+    assert "recomputed in the backward" in _sites(trace, bw)[0].why
+    assert "one rank" in fp8_gather.find_sites(trace, None, group=GROUP, world_size=1, default_world_size=1,
+                                               recipe_problem=None)[0].why
+
+
+def test_recipe_check():
+    class DelayedScaling:
+        reduce_amax = True
+
+    class MXFP8BlockScaling:
+        pass
+
+    assert exact_recipe(DelayedScaling()) is None
+    assert "not DelayedScaling" in exact_recipe(MXFP8BlockScaling())
+    assert exact_recipe(None) == "no FP8 recipe"
+
+
+def test_rewrite_replaces_gather_wait_and_slice_and_keeps_the_linear():
+    trace, shards = forward([(64, 32), (40, 32)], n=3)  # the second is padded
+    sites = _sites(trace, n=3)
+    assert [s.why for s in sites] == [None, None]
+    new = fp8_gather.rewrite(trace, sites, group=GROUP, world_size=3, rank=2, provenance="test")
+    names = [b.sym.name for b in new.bound_symbols if b.sym.id != PrimIDs.DEL]
+    assert not {"torch_all_gather_prim_impl", "torch_wait_prim_impl", "torch_slice_prim_impl"} & set(names), names
+    assert names.count("fp8shard_weight_gather_start") == 2 and names.count("fp8shard_weight_gather_wait") == 2
+    assert names.count("fp8shard_weight_to_columnwise") == 2
+    for site in sites:
+        lin = next(b for b in new.bound_symbols if b.sym.name == "te_functional_linear_fwd"
+                   and b.output[0].name == site.linear.output[0].name)
+        i = new.bound_symbols.index(lin)
+        wait = [b for b in new.bound_symbols[:i] if b.sym.name == "fp8shard_weight_gather_wait"][-1]
+        assert wait.output is site.weight and lin.args[1] is site.weight  # the linear reads what the wait returns
+        start = next(b for b in new.bound_symbols if b.sym.name == "fp8shard_weight_gather_start"
+                     and b.output.name == wait.args[0].name)
+        assert start.args[0] is site.shard and start.args[1] is site.linear.args[4]  # the shard, the weight quantizer
+        q_at = new.bound_symbols.index(next(b for b in new.bound_symbols if b is site.quantizers))
+        assert q_at < new.bound_symbols.index(start) < new.bound_symbols.index(wait)
+        after = [b for b in new.bound_symbols[i + 1:] if b.sym.id != PrimIDs.DEL][0]
+        assert after.sym.name == "fp8shard_weight_to_columnwise" and after.args[0] is lin.output[2]
+        spec = wait.args[1]
+        assert (spec.rows, spec.out_features, spec.in_features, spec.rank) == (-(-site.weight.shape[0] // 3),
+                                                                              site.weight.shape[0], 32, 2)
+    padded = [b.args[1] for b in new.bound_symbols if b.sym.name == "fp8shard_weight_gather_wait"][1]
+    assert (padded.rows, padded.valid_rows) == (14, 12)  # rank 2 of 3: rows 28..39 of 40
+    assert fp8_gather.operator_calls(new) == {"fp8shard_weight_gather_start": 2, "fp8shard_weight_gather_wait": 2,
+                                              "fp8shard_weight_to_columnwise": 2}
+    assert new.bound_symbols[-1].sym.id == PrimIDs.RETURN and trace.bound_symbols is not new.bound_symbols
+
+
+def test_spec_refuses_impossible_row_counts():
+    with pytest.raises(ValueError, match="0 valid of 2 rows"):
+        WeightGatherSpec(None, 6, 5, 2, 0, 8, 32, None, "w")
+
+
+def test_plan_is_off_by_default_and_a_no_op_outside_thunder_fsdp():
+    trace, _ = forward([(64, 32)])
+    off = fp8_gather.plan(trace, None, enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2)
+    assert off.sites == () and off.rows == () and off.notes == () and off.apply(trace) is trace
+    ddp = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder DDP", group=GROUP, world_size=2)
+    assert ddp.sites == () and "no effect under Thunder DDP" in ddp.notes[0]
+
+
+def test_plan_rows_bytes_and_text():
+    trace, _ = forward([(64, 32), (48, 64)])
+
+    class DelayedScaling:
+        reduce_amax = True
+
+    fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2,
+                         recipe=DelayedScaling(), default_world_size=2, rank=1)
+    assert [r.fp8 for r in fg.rows] == [True, True]
+    plan = ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+                     saved_bytes_after=0, forward_gather=list(fg.rows))
+    numel = 64 * 32 + 48 * 64
+    assert plan.forward_gather_bytes == (numel * 2 // 2, numel // 2)  # (N-1)/N of bf16, then of uint8
+    assert plan.forward_cast_elements == (numel, numel // 2)
+    assert "2 of 2 in FP8" in str(plan) and "forward all-gather of TE linear weights" in str(plan)
+    new = fg.apply(trace)
+    assert "2 TE linear weight(s) all-gathered in FP8" in str(new.get_provenance())
+
+
+def test_simulated_n8_llama_shapes_forward_gather_bytes():
+    """The plan's bytes at N=8 for one Llama-2-7b layer's TE weights (qkv, proj, fc_1, fc_2, mlp proj): received
+    bytes halve, the cast falls to 1/8."""
+    layer = [(3 * 4096, 4096), (4096, 4096), (11008, 4096), (11008, 4096), (4096, 11008)]
+    trace, _ = forward(layer, n=8, batch=1)
+    sites = _sites(trace, n=8)
+    assert all(s.why is None for s in sites)
+    rows = fp8_gather.decisions(sites, 8)
+    numel = 3 * 4096 ** 2 + 4096 ** 2 + 3 * 11008 * 4096
+    assert sum(r.received_bytes_before for r in rows) == numel * 2 * 7 // 8
+    assert sum(r.received_bytes_after for r in rows) == numel * 7 // 8
+    assert sum(r.cast_elements_after for r in rows) == numel // 8
+
+
+def test_a_real_fsdp_trace_without_te_is_left_alone(fsdp_traces):
+    fw, bw, group = fsdp_traces
+    assert fp8_gather.find_sites(fw, bw, group=group, world_size=2, default_world_size=2, recipe_problem=None) == []
+    fg = fp8_gather.plan(fw, bw, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=group, world_size=2,
+                         default_world_size=2, rank=0)
+    assert fg.sites == () and "no TE linear weight" in fg.notes[0] and fg.apply(fw) is fw
+
+
+@pytest.mark.multirank
+def test_option_on_without_te_trains_exactly_and_says_why(on_ranks):
+    """The whole pass with ``fp8_forward_gather=True`` on the CPU (the toy Llama under ZeRO-3, two gloo ranks,
+    different data per rank, no TransformerEngine): nothing to gather in FP8, the plan says so, the fingerprint
+    still agrees across ranks, and losses and gradients stay bitwise those of the run without the pass."""
+    from thunder_fp8shard.testing import litgpt_run
+
+    toy = dict(model="toy", n_layer=1, n_embd=64, n_head=4, intermediate_size=96, vocab_size=128, seq_len=16,
+               micro_batch_size=2, steps=2, te=False, device="cpu", return_grads=True)
+    without = on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**toy, shard=False))
+    with_ = on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**toy, shard=True,
+                                                                  extra={"min_bytes": 0, "fp8_forward_gather": True}))
+    litgpt_run.assert_bitwise_equal_and_nonzero(without, with_, toy["steps"])
+    plan = with_[0]["plan"]
+    assert plan["forward_gather"] == [] and any("no TE linear weight" in n for n in plan["notes"]), plan["notes"]
+
+
+_run_ex = OperatorExecutor("fp8shard_test_runnable_te")
+_run_syms = {
+    "recipe": _run_ex.register_operator("get_te_fp8_recipe_90", meta=lambda: AnyProxy(None, prefix="r"),
+                                        fn=lambda: None),  # no recipe: the start operator falls back to bf16
+    "state": _run_ex.register_operator("get_te_fp8_state_90", meta=lambda r, mode, n: AnyProxy(None, prefix="s"),
+                                       fn=lambda r, mode, n: "state"),
+    "quantizers": _run_ex.register_operator(
+        "get_te_fp8_quantizers_90", meta=lambda s, n: tuple(AnyProxy(None, prefix="q") for _ in range(n)),
+        fn=lambda s, n: ("q_in", "q_w")),
+    "linear": _run_ex.register_operator("te_functional_linear_fwd", meta=_linear_meta,
+                                        fn=lambda a, w, bias, qi, qw: (a @ w.t(), a, w)),
+    "update": _run_ex.register_operator("te_fp8_amax_and_scale_update",
+                                        meta=lambda r, *, states, tokens: tuple(_t(None, t.shape) for t in tokens),
+                                        fn=lambda r, *, states, tokens: tokens),
+}
+
+
+def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
+    """A forward with Thunder's real all-gather and wait (one gloo rank) feeding a stand-in TE linear, rewritten and
+    run as Thunder runs it (its Python program): the operators print and execute, the spec travels as a constant,
+    the handle reaches the wait, and with no FP8 recipe the start operator's bf16 fallback gives the same result as
+    the program before the rewrite."""
+    import dataclasses
+
+    import torch
+    from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
+
+    def computation(x, t_w):
+        pass
+
+    trace = TraceCtx(computation)
+    with tracectx(trace):
+        x, shard = _t("x", (3, 8), dtypes.float32), _t("t_w", (5, 8), dtypes.float32)
+        trace.args = (x, shard)
+        fut = all_gather_prim_impl(shard, single_rank_group, True, None)
+        r = _run_syms["recipe"]()
+        s = _run_syms["state"](r, "forward", 2)
+        q_in, q_w = _run_syms["quantizers"](s, 2)
+        w = wait_prim_impl(fut)
+        y, qa, qw = _run_syms["linear"](x, w, None, q_in, q_w)
+        y, qa, qw = _run_syms["update"](r, states=(s,), tokens=(y, qa, qw))
+        prims.python_return(y, ((qa, qw), (r,)))
+    (site,) = fp8_gather.find_sites(trace, None, group=single_rank_group, world_size=1, default_world_size=1,
+                                    recipe_problem=None)
+    assert site.why.startswith("one rank")
+    new = fp8_gather.rewrite(trace, [dataclasses.replace(site, why=None)], group=single_rank_group, world_size=1,
+                             rank=0, provenance="test")
+    names = [b.sym.name for b in new.bound_symbols]
+    assert "torch_all_gather_prim_impl" not in names and "fp8shard_weight_gather_start" in names, names
+    xs, ws = torch.randn(3, 8), torch.randn(5, 8)
+    want = trace.python_callable()(xs, ws)
+    got = new.python_callable()(xs, ws)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[0], xs @ ws.t()), str(new)
+
+
+def test_the_ranks_fingerprint_covers_the_forward_gather_decisions():
+    """A weight gathered in FP8 on one rank and in bf16 on another would hang the forward: the collectives the ranks
+    compare before the rewrite (thunder_fp8shard.agreement) include each row's shape and choice."""
+    from thunder_fp8shard.agreement import collectives
+    from thunder_fp8shard.plan import ForwardGather
+
+    def plan(fp8):
+        return ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+                         saved_bytes_after=0, forward_gather=[ForwardGather("t_w0", (64, 32), fp8, "", 2048, 1024,
+                                                                            2048, 1024)])
+
+    assert collectives(plan(True), verify=False) != collectives(plan(False), verify=False)
+    assert ("forward gather 0", "64x32 fp8") in collectives(plan(True), verify=False)
+    bare = ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+                     saved_bytes_after=0)
+    assert not any(k.startswith("forward gather") for k, _ in collectives(bare, verify=False))  # option off: as before
