@@ -27,10 +27,14 @@ class Decision:
     sharded: bool
     reason: str
     shard_nbytes: int = 0  # bytes kept per rank when sharded (ceil(nbytes / shard group size))
+    # bytes of the storage it views, what sharding frees (a view, e.g. an expand, can be larger or smaller than its
+    # storage); 0: unknown, taken as ``nbytes``
+    storage_nbytes: int = 0
 
     @property
     def bytes_saved(self) -> int:
-        return self.nbytes - self.shard_nbytes if self.sharded else 0
+        """The storage's bytes freed less the shard kept: what sharding saves this rank."""
+        return (self.storage_nbytes or self.nbytes) - self.shard_nbytes if self.sharded else 0
 
 
 @dataclass(frozen=True)

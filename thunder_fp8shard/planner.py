@@ -39,11 +39,19 @@ def soundness(
     ``world_size``: the ranks each tensor is sharded over (the shard group's, see
     :mod:`thunder_fp8shard.shard_groups`); ``replication`` is over the setup's whole group."""
     decisions = []
+    life_of = storage_of(model.lives)
     for c in candidates:
         replicated = replication.is_replicated(c.name)
+        life = life_of.get(c.name)
+        storage = life.nbytes if life is not None else c.payload_bytes
+        shard = bucket_layout([c.payload_bytes], world_size).shard_nbytes if world_size > 0 else c.payload_bytes
+        held = [m for m in life.members if m in model_io] if life is not None else []
         why = None
         if c.name in model_io:
             why = "a model input or output: the caller keeps it alive, sharding frees nothing"
+        elif held:
+            why = (f"its storage is that of the program's input or output {held[0]} (a view or shallow_copy of it): "
+                   "the caller keeps it alive, sharding frees nothing")
         elif not replicated:
             why = f"per-rank: {replication.reason(c.name)}"
         elif world_size < 2:
@@ -54,7 +62,10 @@ def soundness(
             why = "not used in backward"
         elif others := _storage_sharers(c, model, saved_names):
             why = f"shares its storage with saved tensor(s) {', '.join(others)}: sharding it alone frees nothing"
-        decisions.append(_decision(c, replicated, world_size, why))
+        elif storage <= shard:
+            why = (f"a view of a {storage:,} B storage ({c.payload_bytes:,} B as its shape says): the {shard:,} B shard "
+                   "sharding keeps would not be smaller than what it frees")
+        decisions.append(_decision(c, replicated, world_size, why, storage))
     return decisions
 
 
@@ -269,10 +280,13 @@ def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) ->
     return sorted(m for m in life.members if m != c.name and m in saved_names)
 
 
-def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | None) -> Decision:
+def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | None, storage_nbytes: int) -> Decision:
+    view = (f"; a view of a {storage_nbytes:,} B storage, which sharding frees" if storage_nbytes != c.payload_bytes
+            else "")
     return Decision(
         name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
         kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
-        reason=refused or f"identical on every rank; rank keeps 1/{world_size}",
+        reason=refused or f"identical on every rank; rank keeps 1/{world_size}{view}",
         shard_nbytes=bucket_layout([c.payload_bytes], world_size).shard_nbytes if refused is None else 0,
+        storage_nbytes=storage_nbytes,
     )
