@@ -247,6 +247,7 @@ class ShardPlan:
                 + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
                 *table(header, rows),
             ]
+        lines.insert(1, self.verdict)
         lines += [
             *self._compaction_table(),
             f"saved for backward per rank: {fmt_bytes(self.saved_bytes_before)} -> {fmt_bytes(self.saved_bytes_after)}",
@@ -276,6 +277,26 @@ class ShardPlan:
         lines += self._run_time_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    @property
+    def verdict(self) -> str:
+        """One line: the predicted peak and the bytes saved for backward, before -> after, and whether they fell."""
+        saved = f"saved for backward {_change(self.saved_bytes_before, self.saved_bytes_after)}"
+        if not self.sharded and not self.compacted:
+            peak = (f"predicted peak {fmt_bytes(self.peak_bytes_before)} and " if self.peak_bytes_before is not None
+                    else "")
+            return f"verdict: nothing sharded or compacted: {peak}saved for backward " \
+                   f"{fmt_bytes(self.saved_bytes_before)} unchanged"
+        if self.peak_bytes_before is None or self.peak_bytes_after is None:
+            return f"verdict: {saved}"
+        return f"verdict: predicted peak {_change(self.peak_bytes_before, self.peak_bytes_after)}; {saved}"
+
+    @property
+    def peak_words(self) -> str:
+        """The predicted peak's change in words, e.g. "falls by 1.2 MiB", "unchanged", "RISES by 8.0 KiB"."""
+        if self.peak_bytes_before is None or self.peak_bytes_after is None:
+            return "not predicted"
+        return _direction(self.peak_bytes_before, self.peak_bytes_after)
 
     def _compaction_table(self) -> list[str]:
         """The compaction options: each storage, its saved views, what a compact copy frees and copies, and why."""
@@ -351,7 +372,8 @@ class ShardPlan:
             raise ValueError("this plan has no memory timeline (forward-only compile or nothing to model)")
         return plot_timelines(
             self.timeline_before, self.timeline_after, gathers=self.gather_steps,
-            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.k}", path=path,
+            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.k}, {len(self.compacted)} storages "
+                  f"compacted; predicted peak {self.peak_words}", path=path,
         )
 
 
@@ -361,6 +383,18 @@ def shard_op_nbytes(buckets) -> dict[int, int]:
     for b in buckets:
         out[b.shard_op] = max(out.get(b.shard_op, 0), b.shard_offset + b.shard_nbytes)
     return out
+
+
+def _direction(before: int, after: int) -> str:
+    if after < before:
+        return f"falls by {fmt_bytes(before - after)}"
+    if after > before:
+        return f"RISES by {fmt_bytes(after - before)}"
+    return "unchanged"
+
+
+def _change(before: int, after: int) -> str:
+    return f"{fmt_bytes(before)} -> {fmt_bytes(after)} ({_direction(before, after)})"
 
 
 def _peak_where(before, after) -> str:

@@ -136,10 +136,16 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
         if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
             refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
     candidates = [d for d in candidates if d.name not in refused]
+    single_of = {b.members[0]: b for b in singles}
     compactions = _compaction_options(model, sound, options)
     eligible = [c for c in compactions if c.compacted]
     if options.policy == "all":
         compactions = _not_raising_the_peak(compactions, model)
+        base = model.live_bytes()
+        for d in candidates:  # each shard on its own, as each compaction: none that raises the predicted peak
+            if (base + model.change([single_of[d.name]])).max() > base.max():
+                refused[d.name] = RAISES
+        candidates = [d for d in candidates if d.name not in refused]
     else:
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
         taken, lowest, traffic = _greedy(candidates, eligible, model, singles, target, refused)
@@ -159,6 +165,9 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
                              compactions=taken, **sched)
+    if options.policy in ("all", "peak"):
+        final, compactions, buckets = _never_worse(final, compactions, buckets, model, options, sched,
+                                                   lower=options.policy == "peak")
     return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
 
 
@@ -217,6 +226,61 @@ def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> 
             c = replace(c, compacted=False, reason="its copy would raise the predicted peak")
         out.append(c)
     return out
+
+
+RAISES = "it would raise the predicted peak"
+LOWERS_NOTHING = "does not lower the predicted peak"
+
+
+def _never_worse(decisions: list[Decision], compactions: list[Compaction], buckets: list[Bucket], model: MemoryModel,
+                 options: ShardOptions, sched: dict, *, lower: bool
+                 ) -> tuple[list[Decision], list[Compaction], list[Bucket]]:
+    """The choice as it will run (its buckets, its compactions), checked on the memory model as a whole: policy "all"
+    (``lower=False``) keeps it only where the predicted peak does not rise, dropping the bucket (else the compaction)
+    that adds most at the peak step until it does not; policy "peak" (``lower=True``) does the same until the peak
+    falls (nothing is kept where it does not), then keeps only what lowers it: a bucket or compaction whose removal
+    leaves the predicted peak where it is goes. The buckets are formed again after each drop (a gather's place depends on the
+    others'). Every choice is a decision of :meth:`MemoryModel.change`, the one evaluator."""
+    before = int(model.live_bytes().max())
+    dropped: dict[str, str] = {}  # shard: reason
+    undone: dict[str, str] = {}  # compaction's storage: reason
+    while True:
+        taken = [c for c in compactions if c.compacted and c.storage not in undone]
+        live = model.live_bytes(buckets, taken)
+        changed = False
+        if live.max() > before or (lower and live.max() >= before and (buckets or taken)):
+            # the one that adds most where the peak now is goes
+            at = int(np.argmax(live))
+            items = [(b.members, model.change([b])[at], dropped) for b in buckets]
+            items += [((c.storage,), model.change(compactions=[c])[at], undone) for c in taken]
+            names, added, target = max(items, key=lambda item: item[1], default=((), 0, dropped))
+            if added > 0:
+                target.update((n, RAISES) for n in names)
+            else:  # nothing adds at that step: shard and compact nothing (the model without them is `before`)
+                why = LOWERS_NOTHING if lower else RAISES
+                dropped.update((n, why) for b in buckets for n in b.members)
+                undone.update((c.storage, why) for c in taken)
+            changed = True
+        elif lower:  # drop, one at a time, what leaves the peak where it is when it goes
+            items = [(b.members, model.change([b]), dropped) for b in reversed(buckets)]
+            items += [((c.storage,), model.change(compactions=[c]), undone) for c in taken]
+            for names, delta, target in items:
+                if (live - delta).max() <= live.max():
+                    live = live - delta
+                    target.update((n, LOWERS_NOTHING) for n in names)
+                    changed = True
+        if not changed:
+            break
+        decisions = [d if d.name not in dropped or not d.sharded else
+                     replace(d, sharded=False, shard_nbytes=0, reason=dropped[d.name]) for d in decisions]
+        taken = [c for c in compactions if c.compacted and c.storage not in undone]
+        buckets = grouping.group([d for d in decisions if d.sharded], model, bucket_bytes=options.bucket_bytes,
+                                 compactions=taken, **sched)
+        if lower and not buckets and not taken:
+            break
+    compactions = [c if c.storage not in undone or not c.compacted else
+                   replace(c, compacted=False, reason=undone[c.storage]) for c in compactions]
+    return decisions, compactions, buckets
 
 
 def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
