@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.candidates import Candidate, find_candidates, payload_nbytes, te_quantized_names
+from thunder_fp8shard.candidates import (
+    Candidate, find_candidates, payload_nbytes, saved_bytes_by_dtype, te_quantized_names,
+)
 from thunder_fp8shard.memory_model import MemoryModel, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import MemoryTerm
@@ -27,6 +29,7 @@ class Analysis:
     replication: Replication | None  # over the setup's whole group; None without a distributed setup
     saved_names: frozenset[str]
     model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
+    saved_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # saved tensors' bytes by dtype
 
     def with_terms(self, terms: Sequence[MemoryTerm]) -> Analysis:
         """The same analysis with the memory terms every rank agreed on."""
@@ -49,4 +52,4 @@ def analyze(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup, device, te
     if setup is not None:
         replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
     return Analysis(tuple(candidates), model, replication, frozenset(p.name for p in forward_saved(fw)[0]),
-                    frozenset(model_io_names(fw)))
+                    frozenset(model_io_names(fw)), saved_bytes_by_dtype(fw, te_names))

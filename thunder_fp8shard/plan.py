@@ -174,6 +174,8 @@ class ShardPlan:
     # the forward calls of this compiled program in the first step, counted at run time (until its first backward):
     # under ThunderFX one program serves every block of the same class and shapes; None until the first backward
     runs_per_step: int | None = None
+    # a compilation with no candidate: the saved tensors' bytes by dtype and what would make them candidates
+    no_candidates: str = ""
 
     @property
     def k(self) -> int:
@@ -247,7 +249,7 @@ class ShardPlan:
                 + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
                 *table(header, rows),
             ]
-        lines.insert(1, self.verdict)
+        lines[1:1] = [self.verdict, *([self.no_candidates] if self.no_candidates else [])]
         lines += [
             *self._compaction_table(),
             f"saved for backward per rank: {fmt_bytes(self.saved_bytes_before)} -> {fmt_bytes(self.saved_bytes_after)}",

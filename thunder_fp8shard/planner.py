@@ -26,6 +26,7 @@ from thunder_fp8shard.memory_model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import UNKNOWN, AgreedValue, Bucket, Compaction, Decision, ShardPlan
 from thunder_fp8shard.replication import Replication
+from thunder_fp8shard.report import fmt_bytes
 
 
 ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
@@ -95,10 +96,27 @@ def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
         terms=list(model.terms), timeline_before=before, timeline_after=after, agreed=list(agreed),
-        notes=[*header.notes, *choice.notes], budget_bytes=budget, budget_traffic=choice.traffic,
+        notes=[*header.notes, *choice.notes], budget_bytes=budget,
+        no_candidates=no_candidates(analysis.saved_by_dtype, options) if analysis.replication is not None
+        and not analysis.candidates else "", budget_traffic=choice.traffic,
         budget_target_bytes=budget_target(budget) if budget is not None else None,
     )
     return plan, choice.warnings
+
+
+def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
+    """Why a compilation has no candidate, and what would make its saved tensors candidates."""
+    if not saved_by_dtype:
+        return "no candidates: the forward saves no tensor for backward"
+    dtypes = ", ".join(f"{fmt_bytes(n)} {dt}" for dt, n in saved_by_dtype.items())
+    words = f"no candidates: the forward saves {dtypes} (each tensor's bytes, by dtype)"
+    if options.candidates == "fp8":
+        words += ('; candidates="fp8" considers float8 tensors (and TransformerEngine\'s quantized ones) only: '
+                  'candidates="all" would consider these, or save FP8 copies of the weights for backward (e.g. from a '
+                  'straight-through torch.autograd.Function whose forward saves the float8 weight and whose backward '
+                  'upcasts it: README, "FP8 copies on the CPU"); a float8 weight upcast in the forward '
+                  '(F.linear(x, w.to(float8).to(x.dtype))) saves the upcast copy, not the float8 one')
+    return words
 
 
 @dataclass(frozen=True)

@@ -185,3 +185,22 @@ class PreNormMLP(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.linear(x, self.head.weight, self.head.bias)
+
+
+class FP8WeightLinear(torch.autograd.Function):
+    """``x @ dequant(quant(w)).T``, saving the float8 copy of ``w`` (and its scale) for backward, which upcasts it
+    again; the gradient of ``w`` is straight through (``g.T @ x``, in full precision: never a float8 cotangent). The
+    README's example of a model that saves FP8 copies on the CPU."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        scale = torch.true_divide(torch.clamp(torch.amax(torch.abs(w)), min=1e-12), FP8_MAX)
+        wq = torch.true_divide(w, scale).to(torch.float8_e4m3fn)
+        ctx.save_for_backward(x, wq, scale)
+        return torch.matmul(x, torch.mul(wq.to(x.dtype), scale).t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, wq, scale = ctx.saved_tensors
+        w = torch.mul(wq.to(g.dtype), scale)
+        return torch.matmul(g, w), torch.matmul(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
