@@ -233,3 +233,68 @@ def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
 
     monkeypatch.setattr(grouping, "HEADROOM", 0.0)  # it is the margin that keeps them apart
     assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]
+
+
+# W4 (40 B) is last used in forward at 1 and first in backward at 7, the spike: its shard (held to its wait) and its
+# gathered copy are both live there, 20 B more than W4 alone
+RAISING_MODEL = replace(MODEL, lives={**LIVES, "W4": Life("W4", ("W4",), 40, 1, 7)},
+                        placements={**PLACEMENTS, "W4": Placement("W4", 1, 7)})
+W4 = Decision("W4", (40,), "float8_e4m3fn", "float8", 40, True, True, "identical on every rank; rank keeps 1/2", 20)
+
+
+def test_policy_all_never_raises_the_predicted_peak():
+    from thunder_fp8shard.planner import RAISES
+
+    before = RAISING_MODEL.evaluate([]).peak_bytes
+    assert before == 380  # X + W1 + W4 + G at step 7
+    # sharding W4 alone would put 400 B live at step 7
+    alone = group([W4], RAISING_MODEL, prefetch=0, bucket_bytes=0, world_size=2)
+    assert RAISING_MODEL.evaluate(alone).peak_bytes == 400
+    choice = choose([*SOUND, W4], RAISING_MODEL, ShardOptions(prefetch=0, policy="all"), 2)
+    d = {x.name: x for x in choice.decisions}
+    assert not d["W4"].sharded and d["W4"].reason == RAISES
+    assert d["W1"].sharded and d["W2"].sharded  # W2 lowers nothing but raises nothing either: "all" keeps it
+    assert RAISING_MODEL.evaluate(choice.buckets).peak_bytes == 360 <= before
+
+
+def test_the_final_choice_is_checked_as_it_will_run():
+    """Whatever the per-tensor steps decided, the buckets as grouped are checked on the model as a whole: under
+    "all" what raises the peak goes; under "peak" what does not lower it goes."""
+    from thunder_fp8shard.planner import LOWERS_NOTHING, RAISES, _never_worse
+
+    sched = dict(prefetch=0, world_size=2)
+    options = ShardOptions(prefetch=0, bucket_bytes=0)
+    decisions = [*SOUND, W4]  # W3 goes too: the per-tensor steps of choose() would have refused it
+    buckets = group(decisions, RAISING_MODEL, bucket_bytes=0, **sched)
+    # W1 lowers the spike by 20 B and W4 raises it by 20 B: 380 B; without W1, 400 B
+    assert RAISING_MODEL.evaluate(buckets).peak_bytes == 380
+    assert RAISING_MODEL.evaluate([b for b in buckets if b.members != ("W1",)]).peak_bytes == 400
+    final, _, kept = _never_worse([SOUND[1], W4], [], [b for b in buckets if b.members in (("W2",), ("W4",))],
+                                  RAISING_MODEL, options, sched, lower=False)
+    assert [(d.name, d.sharded, d.reason) for d in final][1] == ("W4", False, RAISES)
+    assert RAISING_MODEL.evaluate(kept).peak_bytes == 380 and [b.members for b in kept] == [("W2",)]
+    final, _, kept = _never_worse(decisions, [], buckets, RAISING_MODEL, options, sched, lower=True)
+    # the peak does not fall with all of them: W4, which adds most at it, goes; then W2 and W3, which lower nothing
+    assert {d.name: (d.sharded, d.reason) for d in final} == {
+        "W1": (True, SOUND[0].reason), "W2": (False, LOWERS_NOTHING), "W3": (False, LOWERS_NOTHING),
+        "W4": (False, RAISES)}
+    assert RAISING_MODEL.evaluate(kept).peak_bytes == 360
+    final, _, kept = _never_worse(SOUND[:2], [], group(SOUND[:2], MODEL, bucket_bytes=0, **sched), MODEL, options,
+                                  sched, lower=True)
+    # W1 lowers the peak (340 -> 320 B), W2 does not: it goes
+    assert [(d.name, d.sharded) for d in final] == [("W1", True), ("W2", False)]
+    assert MODEL.evaluate(kept).peak_bytes == 320
+
+
+def test_the_plan_says_first_whether_the_peak_and_the_saved_bytes_fell():
+    plan = ShardPlan(2, "slice", "all", 0, [replace(SOUND[0], storage_nbytes=40)], saved_bytes_before=120,
+                     saved_bytes_after=100, peak_bytes_before=340, peak_bytes_after=360,
+                     timeline_before=MODEL.evaluate(), timeline_after=MODEL.evaluate())
+    assert str(plan).splitlines()[1] == plan.verdict == (
+        "verdict: predicted peak 340 B -> 360 B (RISES by 20 B); saved for backward 120 B -> 100 B (falls by 20 B)")
+    assert "RISES by 20 B" in plan.plot().axes[0].get_title()
+    plan = replace(plan, peak_bytes_after=340)
+    assert plan.verdict.startswith("verdict: predicted peak 340 B -> 340 B (unchanged);")
+    nothing = ShardPlan(2, "slice", "all", 0, [replace(SOUND[0], sharded=False)], saved_bytes_before=120,
+                        saved_bytes_after=120, peak_bytes_before=340, peak_bytes_after=340)
+    assert nothing.verdict == "verdict: nothing sharded or compacted: predicted peak 340 B and saved for backward 120 B unchanged"

@@ -13,7 +13,10 @@ in one region with the RoPE and its ``cat``, and the region returns ``v`` as a v
 
 :func:`region_aliasing` finds this out by running the region's function as torch.compile is given it (the region's
 bound symbols through Thunder's torch executor, as ``thunder.executors.torch_compile.make_compiled`` builds it) once,
-eagerly, on meta tensors: no device work, and the storages that come back say which outputs alias what. Regions of
+eagerly, on fake tensors (``FakeTensorMode``) on the inputs' own devices: no memory and no device work, a region that
+names a device (``.to(torch.device("cuda:0"))``, a tensor made there) meets tensors on it as when it runs, and the
+storages that come back say which outputs alias what. A region the replay cannot run logs a warning and its outputs
+count as new storages; with ``THUNDER_FP8SHARD_STRICT_REPLAY=1`` (the tests) it raises. Regions of
 the same structure (every layer of a model) are replayed once. The inputs are taken contiguous (their real strides
 are not in the trace): a region that copies or views depending on its inputs' strides could differ; the pass
 measures the saved storages at the first call and reports any difference (:mod:`thunder_fp8shard.audit`).
@@ -25,6 +28,7 @@ fusion's edges out of it ("bookends", then top-level views the model sees) and w
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from thunder.core.proxies import NumberProxy, Proxy, TensorProxy
@@ -33,6 +37,8 @@ from thunder.core.symbol import BoundSymbol
 log = logging.getLogger(__name__)
 
 TORCH_COMPILE_REGION = "TorchCompile"  # the fusion symbols' name prefix of thunder/executors/torch_compile.py
+# set (not "0"): a region the replay cannot run raises instead of a warning (the tests set it: tests/conftest.py)
+STRICT_ENV = "THUNDER_FP8SHARD_STRICT_REPLAY"
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,10 @@ def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
         key = _structure(bsym)
         by_position = _replayed(key, bsym)
     except Exception as e:  # noqa: BLE001  (a region the replay cannot run: counted as new storages, as before)
-        log.warning("ShardIntermediates: could not replay %s on meta tensors (%s: %s); its outputs count as new storages",
-                 bsym.sym.name, type(e).__name__, e)
+        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+            raise RuntimeError(f"could not replay {bsym.sym.name} on fake tensors ({STRICT_ENV} is set)") from e
+        log.warning("ShardIntermediates: could not replay %s on fake tensors (%s: %s); its outputs count as new "
+                    "storages", bsym.sym.name, type(e).__name__, e)
         return NO_ALIASING
     views, shared = by_position
     return RegionAliasing(
@@ -121,9 +129,13 @@ def _replay(bsym: BoundSymbol) -> tuple:
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     fn = _region_function(bsym)
-    inputs = [_meta(a) for a in _unique_args(bsym)]
-    with torch.no_grad():
+    # fake tensors on the inputs' own devices: a region whose bound symbols name a device (a tensor made on
+    # cuda:0, a .to(device)) meets tensors on that device, as it does when it runs
+    with FakeTensorMode(), torch.no_grad():
+        inputs = [_fake(a) for a in _unique_args(bsym)]
         results = fn(*inputs)
     results = [r for r in (results if isinstance(results, (tuple, list)) else (results,))]
     outs = [o for o in bsym.flat_outs if isinstance(o, TensorProxy)]
@@ -147,12 +159,15 @@ def _replay(bsym: BoundSymbol) -> tuple:
     return tuple(views), tuple(shared)
 
 
-def _meta(p):
+def _fake(p):
+    """A tensor like ``p`` under the FakeTensorMode the caller entered (no memory, ``p``'s device), else ``p``'s
+    value."""
     import torch
+    from thunder.core.devices import to_torch_device
     from thunder.core.dtypes import to_torch_dtype
 
     if isinstance(p, TensorProxy):
-        return torch.empty(tuple(int(s) for s in p.shape), dtype=to_torch_dtype(p.dtype), device="meta")
+        return torch.empty(tuple(int(s) for s in p.shape), dtype=to_torch_dtype(p.dtype), device=to_torch_device(p.device))
     if isinstance(p, NumberProxy):
         return p.value
     if isinstance(p, Proxy):

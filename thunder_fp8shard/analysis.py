@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.candidates import Candidate, find_candidates, payload_nbytes, te_quantized_names
-from thunder_fp8shard.memory_model import MemoryModel, memory_model
+from thunder_fp8shard.candidates import (
+    Candidate, find_candidates, payload_nbytes, saved_bytes_by_dtype, te_quantized_names,
+)
+from thunder_fp8shard.memory_model import MemoryModel, gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import MemoryTerm
 from thunder_fp8shard.replication import Replication, analyze_replication
@@ -27,6 +29,7 @@ class Analysis:
     replication: Replication | None  # over the setup's whole group; None without a distributed setup
     saved_names: frozenset[str]
     model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
+    saved_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # saved tensors' bytes by dtype
 
     def with_terms(self, terms: Sequence[MemoryTerm]) -> Analysis:
         """The same analysis with the memory terms every rank agreed on."""
@@ -42,11 +45,12 @@ def analyze(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup, device, te
     memory terms measured at run time before (the calibration's error after a missed budget)."""
     te_names = te_quantized_names(fw) if te_names is None else te_names
     candidates = find_candidates(fw, options.candidates, te_names) if setup is not None else []
-    model = memory_model(fw, bw, candidates, lambda p: payload_nbytes(p, te_names), options=options, device=device)
+    model = memory_model(fw, bw, candidates, lambda p: payload_nbytes(p, te_names), options=options, device=device,
+                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group))
     if extra_terms:
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
     replication = None
     if setup is not None:
         replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
     return Analysis(tuple(candidates), model, replication, frozenset(p.name for p in forward_saved(fw)[0]),
-                    frozenset(model_io_names(fw)))
+                    frozenset(model_io_names(fw)), saved_bytes_by_dtype(fw, te_names))

@@ -65,3 +65,16 @@ def te_quantized_names(trace: TraceCtx) -> set[str]:
                 if token.name in quantized:
                     quantized.add(out.name)
     return quantized
+
+
+def saved_bytes_by_dtype(fw: TraceCtx, te_quantized: set[str]) -> dict[str, int]:
+    """The bytes of the tensors ``fw`` saves for backward (each tensor once, its payload), by dtype as Thunder
+    prints it (``float32``, ``float8_e4m3fn``, ...), largest first: what a plan without candidates names."""
+    by: dict[str, int] = {}
+    seen: set[str] = set()
+    for p in forward_saved(fw)[0]:
+        if isinstance(p, TensorProxy) and p.name not in seen:
+            seen.add(p.name)
+            key = str(p.dtype).removeprefix("thunder.dtypes.")
+            by[key] = by.get(key, 0) + payload_nbytes(p, te_quantized)
+    return dict(sorted(by.items(), key=lambda kv: -kv[1]))

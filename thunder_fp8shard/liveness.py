@@ -92,6 +92,9 @@ class ShardedStorages:
     first_use: int  # first backward consumer of any member (the wait is just before it)
     shard_until: int | None = None  # last step the shard is held (default ``first_use``; a shard op serving several
     # buckets keeps one shard for all of them, until the wait of the last)
+    # bytes the collective itself holds while the all-gather is in flight, from its issue to its wait (gloo's
+    # all_gather_into_tensor on the CPU: a temporary of the whole gathered output); 0: none (NCCL, the fake group)
+    scratch_nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -360,7 +363,8 @@ def with_sharding(
 ) -> dict[str, Life]:
     """The lives after sharding: each group's storages end at ``shard_at``; ``"<group>.shard"``
     (``shard_nbytes``) lives [shard_at, shard_until]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all
-    its storages, whose backward uses it serves) lives [gather_at, the last end of its storages]. Raises
+    its storages, whose backward uses it serves) lives [gather_at, the last end of its storages]; ``"<group>.scratch"``
+    (``scratch_nbytes``, where not 0: the collective's own temporary) lives [gather_at, first_use]. Raises
     ``ValueError`` for an order that the pass cannot produce.
     """
     out = dict(lives)
@@ -378,6 +382,8 @@ def with_sharding(
         everyone = tuple(n for m in members for n in m.members)
         out[f"{s.name}.gathered"] = Life(f"{s.name}.gathered", everyone, s.gathered_nbytes, s.gather_at,
                                          max(m.end for m in members))
+        if s.scratch_nbytes:
+            out[f"{s.name}.scratch"] = Life(f"{s.name}.scratch", (), s.scratch_nbytes, s.gather_at, s.first_use)
     return out
 
 

@@ -49,6 +49,9 @@ class MemoryModel:
     compute: tuple[bool, ...]  # per step: False for bookkeeping (del, clears, unpacks, return)
     terms: tuple[MemoryTerm, ...] = ()
     compactions: tuple[Compaction, ...] = ()  # the storages saved views could be compacted out of (none taken)
+    # the shard group's all-gather holds a temporary of its whole output while in flight (gloo on the CPU: measured,
+    # tests/test_property.py); counted from each gather's issue to its wait
+    gather_scratch: bool = False
 
     def compute_steps_between(self, first: int, last: int) -> int:
         """Compute steps strictly between two steps."""
@@ -102,7 +105,7 @@ class MemoryModel:
         """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.liveness.with_sharding`."""
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
         return ShardedStorages(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
-                               b.first_use, b.shard_until)
+                               b.first_use, b.shard_until, b.gathered_nbytes if self.gather_scratch else 0)
 
     @property
     def backward_body_start(self) -> int:
@@ -113,11 +116,12 @@ class MemoryModel:
 
 def memory_model(
     fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of, *, options: ShardOptions | None = None,
-    device=None,
+    device=None, gather_scratch: bool = False,
 ) -> MemoryModel:
     """Builds the joint program's storages and steps, places every candidate on them, and adds the memory the step
     runs in (:func:`thunder_fp8shard.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
-    compiling, None on the CPU). Without ``options`` the model is the program's alone."""
+    compiling, None on the CPU). Without ``options`` the model is the program's alone. ``gather_scratch``: the
+    shard group's all-gathers hold a temporary of their output while in flight (:func:`gathers_hold_scratch`)."""
     graph = joint_graph(fw, bw)
     lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
     steps = program_steps(fw, bw)
@@ -135,7 +139,20 @@ def memory_model(
     # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
     excluded = model_io_names(fw) | {c.name for c in candidates if c.kind == TE_FLOAT8}
     compactions = tuple(compaction_options(graph, lives, forward_saved(fw)[0], excluded))
-    return MemoryModel(lives, steps, placements, compute, terms, compactions)
+    return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch)
+
+
+def gathers_hold_scratch(group) -> bool:
+    """Whether an all-gather over ``group`` holds a temporary of its whole output while in flight: gloo's
+    ``all_gather_into_tensor`` does (it gathers into a buffer of its own, then copies into the output; measured on
+    the CPU with the profiler's allocation events: a 16 MiB all-gather peaked at 32 MiB), NCCL's and the fake
+    group's do not."""
+    import torch.distributed as dist
+
+    try:
+        return group is not None and dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):  # not a process group torch knows
+        return False
 
 
 def compacted_storage(c: Compaction) -> CompactedStorage:

@@ -27,10 +27,14 @@ class Decision:
     sharded: bool
     reason: str
     shard_nbytes: int = 0  # bytes kept per rank when sharded (ceil(nbytes / shard group size))
+    # bytes of the storage it views, what sharding frees (a view, e.g. an expand, can be larger or smaller than its
+    # storage); 0: unknown, taken as ``nbytes``
+    storage_nbytes: int = 0
 
     @property
     def bytes_saved(self) -> int:
-        return self.nbytes - self.shard_nbytes if self.sharded else 0
+        """The storage's bytes freed less the shard kept: what sharding saves this rank."""
+        return (self.storage_nbytes or self.nbytes) - self.shard_nbytes if self.sharded else 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,8 @@ class ShardPlan:
     # the forward calls of this compiled program in the first step, counted at run time (until its first backward):
     # under ThunderFX one program serves every block of the same class and shapes; None until the first backward
     runs_per_step: int | None = None
+    # a compilation with no candidate: the saved tensors' bytes by dtype and what would make them candidates
+    no_candidates: str = ""
     # fp8_forward_gather: one row per TE linear weight all-gathered in the forward (empty: option off or no such weight)
     forward_gather: list[ForwardGather] = field(default_factory=list)
 
@@ -274,6 +280,7 @@ class ShardPlan:
                 + f", on {self._group_words()}; the pass took {self.pass_seconds:.2f} s",
                 *table(header, rows),
             ]
+        lines[1:1] = [self.verdict, *([self.no_candidates] if self.no_candidates else [])]
         lines += [
             *self._compaction_table(),
             f"saved for backward per rank: {fmt_bytes(self.saved_bytes_before)} -> {fmt_bytes(self.saved_bytes_after)}",
@@ -304,6 +311,26 @@ class ShardPlan:
         lines += self._run_time_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    @property
+    def verdict(self) -> str:
+        """One line: the predicted peak and the bytes saved for backward, before -> after, and whether they fell."""
+        saved = f"saved for backward {_change(self.saved_bytes_before, self.saved_bytes_after)}"
+        if not self.sharded and not self.compacted:
+            peak = (f"predicted peak {fmt_bytes(self.peak_bytes_before)} and " if self.peak_bytes_before is not None
+                    else "")
+            return f"verdict: nothing sharded or compacted: {peak}saved for backward " \
+                   f"{fmt_bytes(self.saved_bytes_before)} unchanged"
+        if self.peak_bytes_before is None or self.peak_bytes_after is None:
+            return f"verdict: {saved}"
+        return f"verdict: predicted peak {_change(self.peak_bytes_before, self.peak_bytes_after)}; {saved}"
+
+    @property
+    def peak_words(self) -> str:
+        """The predicted peak's change in words, e.g. "falls by 1.2 MiB", "unchanged", "RISES by 8.0 KiB"."""
+        if self.peak_bytes_before is None or self.peak_bytes_after is None:
+            return "not predicted"
+        return _direction(self.peak_bytes_before, self.peak_bytes_after)
 
     def _compaction_table(self) -> list[str]:
         """The compaction options: each storage, its saved views, what a compact copy frees and copies, and why."""
@@ -391,7 +418,8 @@ class ShardPlan:
             raise ValueError("this plan has no memory timeline (forward-only compile or nothing to model)")
         return plot_timelines(
             self.timeline_before, self.timeline_after, gathers=self.gather_steps,
-            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.k}", path=path,
+            title=f"ShardIntermediates: {len(self.sharded)} tensors sharded 1/{self.k}, {len(self.compacted)} storages "
+                  f"compacted; predicted peak {self.peak_words}", path=path,
         )
 
 
@@ -401,6 +429,18 @@ def shard_op_nbytes(buckets) -> dict[int, int]:
     for b in buckets:
         out[b.shard_op] = max(out.get(b.shard_op, 0), b.shard_offset + b.shard_nbytes)
     return out
+
+
+def _direction(before: int, after: int) -> str:
+    if after < before:
+        return f"falls by {fmt_bytes(before - after)}"
+    if after > before:
+        return f"RISES by {fmt_bytes(after - before)}"
+    return "unchanged"
+
+
+def _change(before: int, after: int) -> str:
+    return f"{fmt_bytes(before)} -> {fmt_bytes(after)} ({_direction(before, after)})"
 
 
 def _peak_where(before, after) -> str:

@@ -26,6 +26,7 @@ from thunder_fp8shard.memory_model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import UNKNOWN, AgreedValue, Bucket, Compaction, Decision, ShardPlan
 from thunder_fp8shard.replication import Replication
+from thunder_fp8shard.report import fmt_bytes
 
 
 ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
@@ -39,11 +40,19 @@ def soundness(
     ``world_size``: the ranks each tensor is sharded over (the shard group's, see
     :mod:`thunder_fp8shard.shard_groups`); ``replication`` is over the setup's whole group."""
     decisions = []
+    life_of = storage_of(model.lives)
     for c in candidates:
         replicated = replication.is_replicated(c.name)
+        life = life_of.get(c.name)
+        storage = life.nbytes if life is not None else c.payload_bytes
+        shard = bucket_layout([c.payload_bytes], world_size).shard_nbytes if world_size > 0 else c.payload_bytes
+        held = [m for m in life.members if m in model_io] if life is not None else []
         why = None
         if c.name in model_io:
             why = "a model input or output: the caller keeps it alive, sharding frees nothing"
+        elif held:
+            why = (f"its storage is that of the program's input or output {held[0]} (a view or shallow_copy of it): "
+                   "the caller keeps it alive, sharding frees nothing")
         elif not replicated:
             why = f"per-rank: {replication.reason(c.name)}"
         elif world_size < 2:
@@ -54,7 +63,10 @@ def soundness(
             why = "not used in backward"
         elif others := _storage_sharers(c, model, saved_names):
             why = f"shares its storage with saved tensor(s) {', '.join(others)}: sharding it alone frees nothing"
-        decisions.append(_decision(c, replicated, world_size, why))
+        elif storage <= shard:
+            why = (f"a view of a {storage:,} B storage ({c.payload_bytes:,} B as its shape says): the {shard:,} B shard "
+                   "sharding keeps would not be smaller than what it frees")
+        decisions.append(_decision(c, replicated, world_size, why, storage))
     return decisions
 
 
@@ -84,10 +96,27 @@ def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
         terms=list(model.terms), timeline_before=before, timeline_after=after, agreed=list(agreed),
-        notes=[*header.notes, *choice.notes], budget_bytes=budget, budget_traffic=choice.traffic,
+        notes=[*header.notes, *choice.notes], budget_bytes=budget,
+        no_candidates=no_candidates(analysis.saved_by_dtype, options) if analysis.replication is not None
+        and not analysis.candidates else "", budget_traffic=choice.traffic,
         budget_target_bytes=budget_target(budget) if budget is not None else None,
     )
     return plan, choice.warnings
+
+
+def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
+    """Why a compilation has no candidate, and what would make its saved tensors candidates."""
+    if not saved_by_dtype:
+        return "no candidates: the forward saves no tensor for backward"
+    dtypes = ", ".join(f"{fmt_bytes(n)} {dt}" for dt, n in saved_by_dtype.items())
+    words = f"no candidates: the forward saves {dtypes} (each tensor's bytes, by dtype)"
+    if options.candidates == "fp8":
+        words += ('; candidates="fp8" considers float8 tensors (and TransformerEngine\'s quantized ones) only: '
+                  'candidates="all" would consider these, or save FP8 copies of the weights for backward (e.g. from a '
+                  'straight-through torch.autograd.Function whose forward saves the float8 weight and whose backward '
+                  'upcasts it: README, "FP8 copies on the CPU"); a float8 weight upcast in the forward '
+                  '(F.linear(x, w.to(float8).to(x.dtype))) saves the upcast copy, not the float8 one')
+    return words
 
 
 @dataclass(frozen=True)
@@ -125,10 +154,16 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
         if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
             refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
     candidates = [d for d in candidates if d.name not in refused]
+    single_of = {b.members[0]: b for b in singles}
     compactions = _compaction_options(model, sound, options)
     eligible = [c for c in compactions if c.compacted]
     if options.policy == "all":
         compactions = _not_raising_the_peak(compactions, model)
+        base = model.live_bytes()
+        for d in candidates:  # each shard on its own, as each compaction: none that raises the predicted peak
+            if (base + model.change([single_of[d.name]])).max() > base.max():
+                refused[d.name] = RAISES
+        candidates = [d for d in candidates if d.name not in refused]
     else:
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
         taken, lowest, traffic = _greedy(candidates, eligible, model, singles, target, refused)
@@ -148,6 +183,9 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
                              compactions=taken, **sched)
+    if options.policy in ("all", "peak"):
+        final, compactions, buckets = _never_worse(final, compactions, buckets, model, options, sched,
+                                                   lower=options.policy == "peak")
     return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
 
 
@@ -206,6 +244,61 @@ def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> 
             c = replace(c, compacted=False, reason="its copy would raise the predicted peak")
         out.append(c)
     return out
+
+
+RAISES = "it would raise the predicted peak"
+LOWERS_NOTHING = "does not lower the predicted peak"
+
+
+def _never_worse(decisions: list[Decision], compactions: list[Compaction], buckets: list[Bucket], model: MemoryModel,
+                 options: ShardOptions, sched: dict, *, lower: bool
+                 ) -> tuple[list[Decision], list[Compaction], list[Bucket]]:
+    """The choice as it will run (its buckets, its compactions), checked on the memory model as a whole: policy "all"
+    (``lower=False``) keeps it only where the predicted peak does not rise, dropping the bucket (else the compaction)
+    that adds most at the peak step until it does not; policy "peak" (``lower=True``) does the same until the peak
+    falls (nothing is kept where it does not), then keeps only what lowers it: a bucket or compaction whose removal
+    leaves the predicted peak where it is goes. The buckets are formed again after each drop (a gather's place depends on the
+    others'). Every choice is a decision of :meth:`MemoryModel.change`, the one evaluator."""
+    before = int(model.live_bytes().max())
+    dropped: dict[str, str] = {}  # shard: reason
+    undone: dict[str, str] = {}  # compaction's storage: reason
+    while True:
+        taken = [c for c in compactions if c.compacted and c.storage not in undone]
+        live = model.live_bytes(buckets, taken)
+        changed = False
+        if live.max() > before or (lower and live.max() >= before and (buckets or taken)):
+            # the one that adds most where the peak now is goes
+            at = int(np.argmax(live))
+            items = [(b.members, model.change([b])[at], dropped) for b in buckets]
+            items += [((c.storage,), model.change(compactions=[c])[at], undone) for c in taken]
+            names, added, target = max(items, key=lambda item: item[1], default=((), 0, dropped))
+            if added > 0:
+                target.update((n, RAISES) for n in names)
+            else:  # nothing adds at that step: shard and compact nothing (the model without them is `before`)
+                why = LOWERS_NOTHING if lower else RAISES
+                dropped.update((n, why) for b in buckets for n in b.members)
+                undone.update((c.storage, why) for c in taken)
+            changed = True
+        elif lower:  # drop, one at a time, what leaves the peak where it is when it goes
+            items = [(b.members, model.change([b]), dropped) for b in reversed(buckets)]
+            items += [((c.storage,), model.change(compactions=[c]), undone) for c in taken]
+            for names, delta, target in items:
+                if (live - delta).max() <= live.max():
+                    live = live - delta
+                    target.update((n, LOWERS_NOTHING) for n in names)
+                    changed = True
+        if not changed:
+            break
+        decisions = [d if d.name not in dropped or not d.sharded else
+                     replace(d, sharded=False, shard_nbytes=0, reason=dropped[d.name]) for d in decisions]
+        taken = [c for c in compactions if c.compacted and c.storage not in undone]
+        buckets = grouping.group([d for d in decisions if d.sharded], model, bucket_bytes=options.bucket_bytes,
+                                 compactions=taken, **sched)
+        if lower and not buckets and not taken:
+            break
+    compactions = [c if c.storage not in undone or not c.compacted else
+                   replace(c, compacted=False, reason=undone[c.storage]) for c in compactions]
+    return decisions, compactions, buckets
 
 
 def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
@@ -269,10 +362,13 @@ def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) ->
     return sorted(m for m in life.members if m != c.name and m in saved_names)
 
 
-def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | None) -> Decision:
+def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | None, storage_nbytes: int) -> Decision:
+    view = (f"; a view of a {storage_nbytes:,} B storage, which sharding frees" if storage_nbytes != c.payload_bytes
+            else "")
     return Decision(
         name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
         kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
-        reason=refused or f"identical on every rank; rank keeps 1/{world_size}",
+        reason=refused or f"identical on every rank; rank keeps 1/{world_size}{view}",
         shard_nbytes=bucket_layout([c.payload_bytes], world_size).shard_nbytes if refused is None else 0,
+        storage_nbytes=storage_nbytes,
     )

@@ -157,3 +157,50 @@ class FakeFP8Llama(nn.Module):
         for block in self.blocks:  # module calls: FSDP2 (fully_shard on each block) hooks them
             x = block(x, *rope)
         return _linear(self.lm_head, _norm(self.norm, x))
+
+
+class PreNormBlock(nn.Module):
+    """``x + fc2(gelu(fc1(layer_norm(x))))``: plain ``nn.Linear`` layers, nothing FP8 (issue #33's model)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x, self.ln.normalized_shape, self.ln.weight, self.ln.bias, self.ln.eps)
+        return torch.add(x, F.linear(F.gelu(F.linear(h, self.fc1.weight, self.fc1.bias)), self.fc2.weight, self.fc2.bias))
+
+
+class PreNormMLP(nn.Module):
+    """Pre-norm MLP blocks (LayerNorm, two ``nn.Linear`` a block) and a linear head, in full precision. Thunder saves
+    ``shallow_copy`` aliases of the parameters under DDP, the gathered weights under FSDP, and the LayerNorm weight
+    as an ``expand`` of its storage to the activation's shape."""
+
+    def __init__(self, d: int = 32, n_blocks: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(PreNormBlock(d) for _ in range(n_blocks))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(x, self.head.weight, self.head.bias)
+
+
+class FP8WeightLinear(torch.autograd.Function):
+    """``x @ dequant(quant(w)).T``, saving the float8 copy of ``w`` (and its scale) for backward, which upcasts it
+    again; the gradient of ``w`` is straight through (``g.T @ x``, in full precision: never a float8 cotangent). The
+    README's example of a model that saves FP8 copies on the CPU."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        scale = torch.true_divide(torch.clamp(torch.amax(torch.abs(w)), min=1e-12), FP8_MAX)
+        wq = torch.true_divide(w, scale).to(torch.float8_e4m3fn)
+        ctx.save_for_backward(x, wq, scale)
+        return torch.matmul(x, torch.mul(wq.to(x.dtype), scale).t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, wq, scale = ctx.saved_tensors
+        w = torch.mul(wq.to(g.dtype), scale)
+        return torch.matmul(g, w), torch.matmul(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))

@@ -1,0 +1,166 @@
+"""Small generated models for the property test (``tests/test_property.py``): seeded random mixes of linear layers,
+layer norms, expanded and viewed weights, straight-through FP8 weight copies and shared weights, run on one rank of
+a data-parallel setup with and without the pass, measuring what the step holds.
+
+The step's peak is measured with torch's profiler (``profile_memory=True``): every allocation and free of
+PyTorch's CPU allocator while it records is an event with its address and bytes, so replaying them in time order
+gives the bytes that tensors allocated during the step hold at each moment, and their most at once
+(:func:`allocation_peak`). Exact for what the step allocates (every tensor, gloo's collective temporaries included:
+gloo allocates them as tensors), and the same in both runs for what it leaves out: what was allocated before the step
+(the parameters, the batch) and memory outside PyTorch's allocator (Python objects). Not the allocator's own
+``total_allocated`` figure: it keeps counting the blocks earlier recordings allocated.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from thunder_fp8shard.testing.measure import saved_bytes
+from thunder_fp8shard.testing.toy_models import FP8WeightLinear
+
+LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")
+# steps measured a run: a tensor that a collective's thread frees a moment late can overlap the peak of one step (a 4
+# KiB buffer, in some steps with the pass and in some without); the lowest of a few steps is the step's own peak
+PEAK_STEPS = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    setup: str  # "ZERO3", "ZERO2" or "DDP"
+    layers: tuple[str, ...]
+    candidates: tuple[str, ...] = ("fp8", "all")  # one run with the pass for each, against one without
+    d: int = 32
+    batch: tuple[int, int] = (2, 4)
+
+    @classmethod
+    def draw(cls, seed: int, setup: str, n_layers: int = 4) -> Case:
+        rng = random.Random(seed)
+        # something for either kind of candidate to shard, a weight used through a view, an expand or again, then
+        # a random mix, in a random order
+        layers = ["fp8", "linear", rng.choice(("expand", "view", "shared"))]
+        layers += [rng.choice(LAYERS) for _ in range(n_layers - 3)]
+        rng.shuffle(layers)
+        return cls(seed, setup, tuple(layers))
+
+
+class _Layer(nn.Module):
+    """The parameters a layer uses, and no other (Thunder FSDP 0.2.6 leaves the prologue's check of a parameter the
+    program never uses unsharded)."""
+
+    def __init__(self, d: int, weight: bool, vector: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5) if weight else None
+        self.vector = nn.Parameter(1 + 0.1 * torch.randn(d)) if vector else None
+
+
+class Generated(nn.Module):
+    """``case.layers`` in order, a ``tanh`` after each: ``linear`` (``F.linear``), ``layer_norm`` (Thunder saves its
+    weight expanded to the activation's shape), ``expand`` (the activation times a weight vector expanded to its
+    shape), ``view`` (a linear whose weight is used through a reshape), ``fp8`` (:class:`FP8WeightLinear`: a float8
+    copy of the weight saved), ``shared`` (a linear with the first linear weight again)."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        d = case.d
+        self.kinds = case.layers
+        layers, linear_before = [], False
+        for kind in case.layers:
+            own_weight = kind in ("linear", "view", "fp8") or (kind == "shared" and not linear_before)
+            layers.append(_Layer(d, own_weight, kind in ("linear", "layer_norm", "expand")))
+            linear_before = linear_before or kind == "linear"
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = None
+        for kind, layer in zip(self.kinds, self.layers):
+            w, v = layer.weight, layer.vector
+            if kind == "linear":
+                x = F.linear(x, w, v)
+                first = w if first is None else first
+            elif kind == "layer_norm":
+                x = F.layer_norm(x, (x.shape[-1],), v, None, 1e-5)
+            elif kind == "expand":
+                x = torch.mul(x, v.expand(x.shape))
+            elif kind == "view":
+                x = F.linear(x, torch.reshape(torch.reshape(w, (-1,)), w.shape))
+            elif kind == "fp8":
+                x = FP8WeightLinear.apply(x, w)
+            else:  # "shared"
+                x = F.linear(x, first if first is not None else w)
+            x = torch.tanh(x)
+        return x
+
+
+def allocation_peak(prof) -> int:
+    """The most bytes that tensors allocated while ``prof`` recorded held at once: its CPU allocation events in
+    time order, each allocation adding its bytes and each free of one of them taking them back (matched by address;
+    frees of blocks allocated before are left out)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, int(e.extra_fields.alloc_size), int(e.extra_fields.ptr)))
+        stack.extend(e.children)
+    live: dict[int, int] = {}
+    now = peak = 0
+    for _, size, ptr in sorted(events, key=lambda ev: ev[0]):
+        if size > 0:
+            live[ptr] = size
+            now += size
+            peak = max(peak, now)
+        elif ptr in live:
+            now -= live.pop(ptr)
+    return peak
+
+
+def run_case(rank: int, world_size: int, case: Case) -> dict:
+    """One rank's runs of ``case`` without the pass (key None), then with it for each of ``case.candidates`` (keyed by
+    it): the last step's gradients and the bytes its forward saved (distinct storages,
+    :mod:`thunder_fp8shard.testing.measure`), the lowest allocation peak of :data:`PEAK_STEPS` steps after the first
+    (see the module's docstring and :data:`PEAK_STEPS`) and the plan."""
+    import thunder
+    from thunder.distributed import FSDPType, ddp
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    from thunder_fp8shard import ShardIntermediates
+
+    out = {}
+    for candidates in (None, *case.candidates):  # None: without the pass
+        torch.manual_seed(case.seed)
+        model = Generated(case)
+        shard = ShardIntermediates(candidates=candidates or "fp8", min_bytes=512)
+        extra = [shard] if candidates else []
+        if case.setup == "DDP":
+            jm = ddp(thunder.jit(model, transforms=extra))
+        else:
+            fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
+            jm = thunder.jit(model, transforms=[fsdp, *extra])
+        gen = torch.Generator().manual_seed(1000 * rank + case.seed)
+        x = torch.randn(*case.batch, case.d, generator=gen, requires_grad=True)
+        target = torch.randn(*case.batch, case.d, generator=gen)
+        F.mse_loss(jm(x), target).backward()  # compiles
+        peaks = []
+        for _ in range(PEAK_STEPS):  # steps 2 (the pass's calibration runs in it) to PEAK_STEPS + 1: the lowest peak
+            for p in (*jm.parameters(), x):
+                p.grad = None
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                with saved_bytes() as saved:
+                    y = jm(x)
+                loss = F.mse_loss(y, target)
+                del y
+                loss.backward()
+                del loss
+            peaks.append(allocation_peak(prof))
+        grads = {n: p.grad.detach().clone() for n, p in jm.named_parameters()}
+        grads["input"] = x.grad.detach().clone()
+        out[candidates] = dict(grads=grads, saved=saved.total, peak=min(peaks),
+                               plan=shard.plans[0] if candidates else None)
+    return out
