@@ -7,7 +7,8 @@ Forward:  ``c1, ..., ck = fp8shard_compact((v1, ..., vk))``: a compact copy of e
           :mod:`thunder_fp8shard.compaction`), saved instead of it.
 Checks:   ``fp8shard_audit((saved tensors), audit)`` before the forward's return and ``fp8shard_calibrate(
           calibration)`` before the backward's (see :mod:`thunder_fp8shard.audit`): they compare the device with the
-          plan at the first calls, and return at once after.
+          plan at the first calls, return at once after, and are removed from the program once both are done
+          (see :mod:`thunder_fp8shard.steady_state`).
 Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, group)`` (issues one bucket's
           all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
           of the gathered buffer, see :mod:`thunder_fp8shard.layout`). Where a wait and the next bucket's start fall
