@@ -8,7 +8,7 @@ from thunder_fp8shard.grouping import place
 from thunder_fp8shard.liveness import Life, Step
 from thunder_fp8shard.memory_model import MemoryModel, Placement
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import GIVEN, UNKNOWN, Decision, MemoryTerm, ShardPlan, shard_op_nbytes
+from thunder_fp8shard.plan import GIVEN, UNKNOWN, Compaction, Decision, MemoryTerm, ShardPlan, shard_op_nbytes
 from thunder_fp8shard.grouping import group
 from thunder_fp8shard.planner import choose
 
@@ -237,3 +237,65 @@ def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
 
     monkeypatch.setattr(grouping, "HEADROOM", 0.0)  # it is the margin that keeps them apart
     assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]
+
+
+def _compaction_model(g: int, *, second: bool = False):
+    """MODEL with a storage Q (300 B, steps 0-8) of which only the saved view V (100 B, used at step 8) is left after
+    its last forward use at step 1 (and, ``second``, a storage R likewise with its view U, last forward use at step 2),
+    and the backward spike G of ``g`` bytes."""
+    lives = {**LIVES, "Q": Life("Q", ("Q", "V"), 300, 0, 8), "G": Life("G", ("G",), g, 7, 7)}
+    cs = [Compaction("Q", ("V",), ((25,),), ("float32",), (100,), 300, 1, (8,), compacted=True)]
+    if second:
+        lives["R"] = Life("R", ("R", "U"), 300, 0, 8)
+        cs.append(Compaction("R", ("U",), ((25,),), ("float32",), (100,), 300, 2, (8,), compacted=True))
+    return MemoryModel(lives, STEPS, PLACEMENTS, compute=(True,) * 10, compactions=tuple(cs)), cs
+
+
+def test_a_compaction_is_made_by_the_next_shard_op_where_the_predicted_peak_does_not_rise():
+    from thunder_fp8shard.grouping import place_compactions
+
+    # far below the peak (G = 600 B at step 7): moved from step 1 to W2's shard op at step 3, one call for both
+    model, (c,) = _compaction_model(600)
+    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, world_size=2)
+    assert [(b.shard_op, b.shard_at) for b in buckets] == [(0, 3)]
+    (moved,) = place_compactions([c], buckets, model)
+    assert (moved.compact_at, moved.shard_op, moved.moved_from) == (3, 0, 1)
+    assert (moved.freed_bytes, moved.copied_bytes) == (c.freed_bytes, c.copied_bytes)  # the same bytes
+    assert model.evaluate(buckets, [moved]).peak_bytes == model.evaluate(buckets, [c]).peak_bytes == 840
+    # near it (G = 200 B: Q held to step 3 would make step 3 the peak): a call of its own, where it was
+    model, (c,) = _compaction_model(200)
+    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, world_size=2)
+    assert model.live_bytes(buckets, [replace(c, compact_at=3)]).max() > model.live_bytes(buckets, [c]).max()
+    assert place_compactions([c], buckets, model) == [c]
+
+
+def test_compactions_alone_are_batched_into_one_call_where_the_predicted_peak_does_not_rise():
+    from thunder_fp8shard.grouping import place_compactions
+
+    model, cs = _compaction_model(900, second=True)
+    placed = place_compactions(cs, [], model)
+    assert [(c.compact_at, c.shard_op, c.moved_from) for c in placed] == [(2, None, 1), (2, None, None)]
+    assert model.evaluate([], placed).peak_bytes == model.evaluate([], cs).peak_bytes
+    model, cs = _compaction_model(0, second=True)  # the forward holds the peak: each where it was
+    assert place_compactions(cs, [], model) == cs
+
+
+def test_the_rewrite_makes_compactions_in_their_shard_ops_call_and_the_others_one_call_a_step():
+    """requests() hands a shard op the views of the compactions it makes, and one request a step for the others."""
+    from types import SimpleNamespace
+
+    from thunder_fp8shard.grouping import place_compactions
+    from thunder_fp8shard.rewrite import requests
+
+    steps = [SimpleNamespace(step=i) for i in range(10)]
+    fw, bw = SimpleNamespace(bound_symbols=steps[:5]), SimpleNamespace(bound_symbols=steps[5:])
+    model, (c,) = _compaction_model(600)
+    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, world_size=2)
+    (moved,) = place_compactions([c], buckets, model)
+    plan = ShardPlan(world_size=2, method="slice", policy="all", prefetch=0, decisions=[], saved_bytes_before=0,
+                     saved_bytes_after=0, buckets=buckets, compactions=[moved])
+    proxies = {n: SimpleNamespace(name=n) for n in ("W2", "V")}
+    (op,), alone = requests(plan, fw, bw, proxies)
+    assert alone == [] and op.compact == (proxies["V"],) and op.after is steps[3]
+    (op,), (req,) = requests(replace(plan, compactions=[c]), fw, bw, proxies)
+    assert op.compact == () and req.members == (proxies["V"],) and req.after is steps[1]

@@ -47,10 +47,15 @@ class Compaction:
     dtypes: tuple[str, ...]
     member_nbytes: tuple[int, ...]  # each view's own bytes: what its compact copy holds
     storage_nbytes: int
-    compact_at: int  # the last forward use of any tensor viewing the storage: the copies are made right after
+    compact_at: int  # the copies are made right after this step: the last forward use of any tensor viewing the
+    # storage, or a later step the planner moved them to (``moved_from``), where the memory model says the predicted
+    # peak does not rise: a shard op's (``shard_op``), or that of later compactions made in the same call
     ends: tuple[int, ...]  # the last step each copy is held to (its last use, or that of a view of it)
     compacted: bool = False
     reason: str = ""
+    shard_op: int | None = None  # the shard op whose call makes the copies (None: an fp8shard_compact call, with
+    # every other compaction made at the same step)
+    moved_from: int | None = None  # the last forward use of the storage's views, where the copies were moved from
 
     @property
     def copied_bytes(self) -> int:

@@ -158,6 +158,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
                              compactions=taken, **sched)
+    compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, buckets, model)]
     return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
 
 
@@ -208,6 +209,22 @@ def _compacted_reason(c: Compaction, model: MemoryModel) -> str:
     base = model.lives[c.storage]
     return (f"views of {base.name}'s {c.storage_nbytes:,} B storage: compact copies free {c.freed_bytes:,} B from "
             f"step {c.compact_at} to the backward, {c.copied_bytes:,} B copied a step")
+
+
+def _placed_reason(c: Compaction, model: MemoryModel) -> Compaction:
+    """A taken compaction's reason, saying which call makes its copies where :func:`grouping.place_compactions`
+    moved them."""
+    if not c.compacted:
+        return c
+    reason = _compacted_reason(c, model)
+    if c.shard_op is not None:
+        reason += f"; made by shard op {c.shard_op}'s call"
+    elif c.moved_from is not None:
+        reason += f"; made in one call with the other compactions at step {c.compact_at}"
+    if c.moved_from is not None:
+        reason += (f" (moved from step {c.moved_from}, its storage's last forward use: the predicted peak does not "
+                   "rise)")
+    return replace(c, reason=reason)
 
 
 def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> list[Compaction]:
