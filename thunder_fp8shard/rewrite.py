@@ -3,7 +3,8 @@ compact copies of compacted views, backward all-gathers each bucket back; each o
 
 :func:`requests` turns a plan (:class:`~thunder_fp8shard.plan.ShardPlan`: its buckets, shard ops and compactions,
 placed on the steps of the unmodified joint program) into requests anchored on the traces' bound symbols: a shard op
-right after its step (the last forward use of its members' storages), a compaction right after its step, a bucket's
+right after its step (the last forward use of its members' storages), with the views of the compactions the plan
+gives it (``Compaction.shard_op``: one call makes both), the other compactions one call a step right after it, a bucket's
 wait right before its first backward consumer, its all-gather right before the consumer of the bucket ``prefetch``
 places earlier (or at the start of the backward body). :func:`rewrite_forward` and :func:`rewrite_backward` insert
 them and return new traces (the inputs are not modified) with dels regenerated and a provenance line.
