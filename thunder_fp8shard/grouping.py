@@ -136,11 +136,22 @@ def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucke
     taken = {c.storage: c for c in compactions if c.compacted}
     if not taken:
         return list(compactions)
-    limit = model.live_bytes(buckets, list(taken.values())).max()
+    # a taken compaction's storage holds no sharded tensor (planner: "its storage is sharded instead"), and each
+    # compaction touches its own storage alone: the changes add up, so each is worked out once a placement
+    sharded = model.live_bytes(buckets)
+    changes: dict[tuple[str, int], np.ndarray] = {}
+
+    def live(trial: dict[str, Compaction]) -> np.ndarray:
+        for c in trial.values():
+            if (c.storage, c.compact_at) not in changes:
+                changes[c.storage, c.compact_at] = model.change(compactions=[c])
+        return sharded + sum(changes[c.storage, c.compact_at] for c in trial.values())
+
+    limit = live(taken).max()
 
     def peak_holds(trial: dict[str, Compaction]) -> bool:
         try:
-            return model.live_bytes(buckets, list(trial.values())).max() <= limit
+            return live(trial).max() <= limit
         except ValueError:  # a copy would be made after its first use
             return False
 
