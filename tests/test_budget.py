@@ -22,7 +22,8 @@ BASE = RunConfig(widths=WIDTHS, batch_sizes=STEPS, no_grad_call=False,
 
 
 def test_budget_target_is_the_budget_less_its_margin():
-    assert BUDGET_MARGIN == 0.02 and budget_target(10_000) == 9_800 and budget_target(101) == 98
+    # the model's accuracy on the device (within 0.3% at 32 layers, 0.5% at 8): a met budget ends within 0.5% of it
+    assert BUDGET_MARGIN == 0.005 and budget_target(10_000) == 9_950 and budget_target(101) == 100
 
 
 def planted_peak_run(rank, world_size):

@@ -151,3 +151,29 @@ def _shard_and_gather_on_ranks(rank: int, world_size: int, method: str) -> list[
 @pytest.mark.parametrize("method", ["slice", "reduce_scatter"])
 def test_a_shard_op_of_two_buckets_round_trips_on_three_ranks(method, on_ranks):
     assert on_ranks(_shard_and_gather_on_ranks, 3, method) == [[True, True, True]] * 3
+
+
+def test_a_shard_op_makes_the_compact_copies_it_is_given_after_its_restorers(single_rank_group):
+    qkv = torch.randn(2, 8, 3 * 16)
+    v = qkv[..., 32:].view(2, 8, 2, 8).transpose(1, 2)  # a strided view of a third of qkv
+    w = torch.arange(12.0)
+    spec = ops.ShardSpec(single_rank_group, 1, (bucket_layout([48], 1).shard_nbytes,), "slice", False, (("w",),))
+    shard, restorer, copy = ops._shard(((w,),), spec, (v,))
+    assert isinstance(restorer, ops.Restorer) and torch.equal(copy, v)
+    assert copy.untyped_storage().nbytes() == v.numel() * 4 and copy.untyped_storage() is not v.untyped_storage()
+    assert sorted(range(4), key=lambda d: -copy.stride(d)) == sorted(range(4), key=lambda d: -v.stride(d))
+    assert ops._shard(((w,),), spec)[2:] == ()  # without views: the shard and its restorers only
+
+
+def test_compact_copies_work_the_dimension_orders_out_once_and_again_when_strides_change():
+    copies = ops.CompactCopies()
+    a = torch.randn(4, 6).t()
+    (c,) = copies((a,))
+    assert torch.equal(c, a) and c.stride() == a.stride() and copies.orders == [[1, 0]]
+    kept = copies.orders
+    b = a + 1
+    assert b.stride() == a.stride()
+    copies((b,))  # same strides: the orders are kept, not worked out again
+    assert copies.orders is kept
+    (c,) = copies((torch.randn(4, 6),))  # other strides: worked out again
+    assert copies.orders == [[0, 1]] and c.is_contiguous()

@@ -172,3 +172,38 @@ def test_one_shard_op_keeps_several_buckets_in_one_tensor_and_each_is_gathered_f
     assert all(s.name == shard.name for s, _, _ in issued)
     _assert_no_use_after_del(new_fw.trace)
     _assert_no_use_after_del(new_bw)
+
+
+def test_a_compaction_the_plan_gives_a_shard_op_is_made_by_that_op_in_one_call(fsdp_traces):
+    """A compaction placed on shard op 0 (``Compaction.shard_op``): no ``fp8shard_compact`` call of its own; the op
+    takes the views as its third argument, returns their copies after its restorers, and the copies are saved."""
+    from dataclasses import replace
+
+    from thunder_fp8shard.plan import Compaction
+
+    fw, bw, group = fsdp_traces
+    plan = _plan(fw, bw, prefetch=1, together=False)
+    first = min(plan.buckets, key=lambda b: b.shard_op)
+    copies = {p.name for p in _weight_copies(fw)}
+    view = next(p for p in forward_saved(fw)[0] if p.name not in copies and p.ndim == 2)  # any saved tensor will do
+    c = Compaction("s", (view.name,), (tuple(view.shape),), ("float32",), (0,), 1, first.shard_at, (len(fw.bound_symbols),),
+                   compacted=True, shard_op=first.shard_op)
+    for placed, expected_compact_calls in ((c, 0), (replace(c, shard_op=None), 1)):
+        p = replace(plan, compactions=[placed])
+        shard_ops, compactions = requests(p, fw, bw, {x.name: x for x in forward_saved(fw)[0]})
+        new_fw = rewrite_forward(fw, shard_ops, group=group, world_size=WORLD, method="slice", verify=False,
+                                 compactions=compactions, provenance="fwd test")
+        new_bw, _ = rewrite_backward(bw, new_fw, group=group, provenance="bwd test")
+        calls = operator_calls(new_fw.trace, new_bw)
+        assert calls["fp8shard_compact"] == expected_compact_calls and calls["fp8shard_shard"] == len(plan.buckets)
+        ((v, copy),) = new_fw.compacted
+        assert v.name == view.name
+        (maker,) = [b for b in new_fw.trace.bound_symbols if copy.name in {o.name for o in b.flat_proxy_outs}]
+        saved = {x.name for x in forward_saved(new_fw.trace)[0]}
+        assert copy.name in saved and view.name not in saved
+        if expected_compact_calls == 0:
+            assert maker.sym is ops.shard and maker.args[2] == (v,) and maker.flat_proxy_outs[-1].name == copy.name
+            assert {x.name for x in maker.args[0][0]} <= copies
+        else:
+            assert maker.sym is ops.compact and len(maker.args) == 2
+        _assert_no_use_after_del(new_fw.trace)

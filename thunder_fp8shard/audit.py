@@ -24,7 +24,9 @@ prediction with the device and write what they find into the plan (:class:`~thun
   (``calibration``) and forces that compilation at the next call (it drops the compiled program from Thunder's cache:
   the cost is one recompilation of that input shape); the user sees both in the new plan. On the CPU nothing is read.
 
-Both read only metadata or one counter: no device synchronization, except the calibration's one all-reduce.
+Both read only metadata or one counter: no device synchronization, except the calibration's one all-reduce. Once
+the calibration is done (and no budget was missed), both are removed from the program
+(:mod:`thunder_fp8shard.steady_state`): the steady-state step does not call them.
 """
 
 from __future__ import annotations
@@ -209,12 +211,13 @@ def peak_allocated(device: str | None) -> int | None:
 class Calibration:
     """The backward's check of the device's peak (``fp8shard_calibrate``'s state). ``agree`` takes this rank's
     reading and returns the largest over the shard group; ``on_miss(error_bytes)`` is called, on every rank alike,
-    when the budget is missed. (A plain class: Thunder prints a dataclass constant in the trace field by field.)"""
+    when the budget is missed; otherwise ``on_done()`` once the calibration is done (it removes both checks from the
+    program and says how, :func:`thunder_fp8shard.steady_state.checks_dropper`). (A plain class: Thunder prints a dataclass constant in the trace field by field.)"""
 
     def __init__(self, plan: ShardPlan, device: str | None, budget_bytes: int | None, agree: Callable[[int], int],
-                 on_miss: Callable[[int], None], audit: SavedAudit):
+                 on_miss: Callable[[int], None], audit: SavedAudit, on_done: Callable[[], str | None] | None = None):
         self.plan, self.device, self.budget_bytes, self.agree, self.on_miss = plan, device, budget_bytes, agree, on_miss
-        self.audit, self.calls, self.done = audit, 0, False
+        self.audit, self.on_done, self.calls, self.done = audit, on_done, 0, False
 
     def __call__(self) -> None:
         if self.done:
@@ -226,9 +229,21 @@ class Calibration:
         if self.calls < CALIBRATION_CALL * self.plan.runs_per_step:  # the last backward of the calibration step
             return
         self.done = True
+        if not self._calibrate():  # a missed budget drops the program: nothing left to run without the checks
+            self._finish()
+
+    def _finish(self) -> None:
+        """Both checks are done: the program runs without them from the next call on (``on_done``)."""
+        did = self.on_done() if self.on_done is not None else None
+        self.plan.checks_removed = (f"after backward call {self.calls}: {did}" if did else
+                                    f"not removed after backward call {self.calls}: the program is not in Thunder's "
+                                    "cache (or the pass was given no cache); both return at once")
+
+    def _calibrate(self) -> bool:
+        """Reads the device's peak, records it, and replans a missed budget (returns True then)."""
         mine = peak_allocated(self.device)
         if mine is None:
-            return
+            return False
         measured = self.agree(mine)
         predicted = self.plan.peak_bytes_after
         error = measured - predicted if predicted is not None else None
@@ -241,8 +256,10 @@ class Calibration:
             warnings.warn(
                 f"ShardIntermediates: the device peaked at {measured:,} B, over the budget {self.budget_bytes:,} B "
                 f"(predicted {predicted:,} B): the next call recompiles and plans with the {error:,} B error as a "
-                "measured term", RuntimeWarning, stacklevel=2)
+                "measured term", RuntimeWarning, stacklevel=3)
             self.on_miss(error)
+            return True
+        return False
 
     def __repr__(self) -> str:
         return f"Calibration(call {CALIBRATION_CALL})"

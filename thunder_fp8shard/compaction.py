@@ -12,7 +12,8 @@ holds the view's values, in the view's dimension order (:func:`thunder_fp8shard.
 A storage is a compaction option when all of its saved tensors together hold fewer bytes than it, and none of its
 tensors is a forward input or output (the caller holds those anyway), a TransformerEngine quantized tensor (not a
 plain tensor to copy) or excluded by the caller (a sharding candidate: sharding it frees the storage already).
-Whether an option is taken is the planner's choice (:func:`thunder_fp8shard.planner.choose`).
+Whether an option is taken is the planner's choice (:func:`thunder_fp8shard.planner.choose`), and which operator
+call makes its copies, possibly later than its step, the grouping's (:func:`thunder_fp8shard.grouping.place_compactions`).
 """
 
 from __future__ import annotations

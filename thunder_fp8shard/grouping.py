@@ -12,11 +12,16 @@ looks free right under the predicted peak may not be; benchmarks/README.md has w
 at its start, the buckets stay small; further on, where activations have been freed, they grow to whole layers.
 
 ``place`` turns a grouping into :class:`~thunder_fp8shard.plan.Bucket`\\ s, as the rewrite will build them.
+``place_compactions`` says which call makes each compaction's copies: a compaction is moved later, to the step of
+the first shard op at or after its own, and made by that op's call, or else batched with the next compactions into
+one call at the last one's step, each only where the memory model predicts that the peak does not rise (the forward
+is usually far below it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -119,3 +124,51 @@ def _free(live: np.ndarray, reference: np.ndarray, ceiling: float) -> bool:
 def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
     """Every bucket still has compute between its shard op and its all-gather."""
     return all(model.compute_steps_between(b.shard_at, b.gather_at) > 0 for b in buckets)
+
+
+def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucket], model: MemoryModel
+                      ) -> list[Compaction]:
+    """``compactions`` (taken or not) with the call that makes each taken one's copies: moved to the step of the first
+    shard op of ``buckets`` at or after its own and made by that op (``shard_op``), or else batched with the next
+    compactions made alone into one call at the last one's step; each move only where the predicted peak (the
+    buckets sharded, the compactions made) does not rise. A moved compaction keeps its bytes; ``moved_from`` is its
+    own step."""
+    taken = {c.storage: c for c in compactions if c.compacted}
+    if not taken:
+        return list(compactions)
+    # a taken compaction's storage holds no sharded tensor (planner: "its storage is sharded instead"), and each
+    # compaction touches its own storage alone: the changes add up, so each is worked out once a placement
+    sharded = model.live_bytes(buckets)
+    changes: dict[tuple[str, int], np.ndarray] = {}
+
+    def live(trial: dict[str, Compaction]) -> np.ndarray:
+        for c in trial.values():
+            if (c.storage, c.compact_at) not in changes:
+                changes[c.storage, c.compact_at] = model.change(compactions=[c])
+        return sharded + sum(changes[c.storage, c.compact_at] for c in trial.values())
+
+    limit = live(taken).max()
+
+    def peak_holds(trial: dict[str, Compaction]) -> bool:
+        try:
+            return live(trial).max() <= limit
+        except ValueError:  # a copy would be made after its first use
+            return False
+
+    def moved(c: Compaction, step: int, op: int | None) -> Compaction:
+        return replace(c, compact_at=step, shard_op=op, moved_from=c.compact_at if step != c.compact_at else None)
+
+    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets})
+    for c in sorted(taken.values(), key=lambda c: c.compact_at):
+        op = next(((step, k) for step, k in anchors if step >= c.compact_at), None)
+        if op is not None and peak_holds(trial := {**taken, c.storage: moved(c, *op)}):
+            taken = trial
+    run: list[Compaction] = []  # compactions made alone, batched into the call of the run's last one
+    for c in sorted((c for c in taken.values() if c.shard_op is None), key=lambda c: c.compact_at):
+        trial = {**taken, **{r.storage: moved(r, c.compact_at, None) for r in run}}
+        if run and peak_holds(trial):
+            taken = trial
+            run.append(c)
+        else:
+            run = [c]
+    return [taken.get(c.storage, c) if c.compacted else c for c in compactions]

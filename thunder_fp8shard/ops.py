@@ -2,12 +2,17 @@
 
 Forward:  ``shard, r1, ..., rb = fp8shard_shard(((t1, ..., tk), ...), spec)``: one call keeps this rank's shards of
           ``b`` buckets in one tensor (packed back to back), and a restorer per bucket. ``spec`` is the op's
-          :class:`ShardSpec`, made by the rewrite (group, world size, planned bytes, method, verify, names).
-Forward:  ``c1, ..., ck = fp8shard_compact((v1, ..., vk))``: a compact copy of each saved view (see
-          :mod:`thunder_fp8shard.compaction`), saved instead of it.
+          :class:`ShardSpec`, made by the rewrite (group, world size, planned bytes, method, verify, names). Where
+          the plan has compactions made by the op (``Compaction.shard_op``), the saved views to compact come as a
+          third argument and their compact copies after the restorers:
+          ``shard, r1, ..., rb, c1, ..., cm = fp8shard_shard(buckets, spec, (v1, ..., vm))``.
+Forward:  ``c1, ..., ck = fp8shard_compact((v1, ..., vk), copies)``: a compact copy of each saved view (see
+          :mod:`thunder_fp8shard.compaction`), saved instead of it; ``copies`` is the call site's
+          :class:`CompactCopies` (the views' dimension orders, worked out once).
 Checks:   ``fp8shard_audit((saved tensors), audit)`` before the forward's return and ``fp8shard_calibrate(
           calibration)`` before the backward's (see :mod:`thunder_fp8shard.audit`): they compare the device with the
-          plan at the first calls, and return at once after.
+          plan at the first calls, return at once after, and are removed from the program once both are done
+          (see :mod:`thunder_fp8shard.steady_state`).
 Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, group)`` (issues one bucket's
           all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
           of the gathered buffer, see :mod:`thunder_fp8shard.layout`). Where a wait and the next bucket's start fall
@@ -73,13 +78,14 @@ class ShardSpec:
     """One shard op's constants, made by the rewrite and baked into its bound symbol; the op keeps the
     :class:`_Program` it works out on its first call here."""
 
-    __slots__ = ("group", "world_size", "bucket_nbytes", "method", "verify", "names", "program")
+    __slots__ = ("group", "world_size", "bucket_nbytes", "method", "verify", "names", "program", "copies")
 
     def __init__(self, group, world_size: int, bucket_nbytes: tuple[int, ...], method: str, verify: bool,
                  names: tuple[tuple[str, ...], ...]):
         self.group, self.world_size, self.bucket_nbytes = group, world_size, tuple(bucket_nbytes)
         self.method, self.verify, self.names = method, verify, names
         self.program: _Program | None = None
+        self.copies = CompactCopies()  # the compact copies the op makes, where it makes any
 
     @property
     def shard_nbytes(self) -> int:
@@ -218,13 +224,13 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 # ---- forward: keep 1/N of one or more buckets of replicated payloads ------------------------------------------------
 
 
-def _shard_meta(buckets, spec: ShardSpec):
+def _shard_meta(buckets, spec: ShardSpec, views=()):
     shard = TensorProxy(like=buckets[0][0], shape=(spec.shard_nbytes,), dtype=dtypes.uint8, requires_grad=False)
     restorers = (AnyProxy(Restorer(None, None), prefix="restore") for _ in buckets)  # names the type
-    return (shard, *restorers)
+    return (shard, *restorers, *_compact_meta(views, spec.copies))
 
 
-def _shard(buckets, spec: ShardSpec):
+def _shard(buckets, spec: ShardSpec, views=()):
     buffers, kinds, counts, states = [], [], [], []
     for objs in buckets:
         bucket_states = []
@@ -251,7 +257,7 @@ def _shard(buckets, spec: ShardSpec):
         shard = _reduce_scatter(spec, prog, buffers)
     else:
         shard = _slice(spec, prog, buffers)
-    return (shard, *[Restorer(r, s) for r, s in zip(prog.restores, states)])
+    return (shard, *[Restorer(r, s) for r, s in zip(prog.restores, states)], *(spec.copies(views) if views else ()))
 
 
 def _slice(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torch.Tensor:
@@ -380,20 +386,38 @@ gather_next = _register("fp8shard_gather_next", _gather_next_meta, _gather_next)
 # ---- forward: compact copies of saved views -------------------------------------------------------------------------
 
 
-def _compact_meta(views):
+class CompactCopies:
+    """One call site's compact copies (an ``fp8shard_compact`` call, or a shard op's, see :class:`ShardSpec`): each
+    view's copy is a fresh tensor of the view's own bytes holding its values, its dimensions laid out in the view's
+    order (outermost stride first), so that whatever reads it sees the same layout order. The orders are worked out
+    at the first call and kept while the views' strides stay the same (as :class:`_Program` is for a shard op)."""
+
+    __slots__ = ("strides", "orders")
+
+    def __init__(self):
+        self.strides: list | None = None
+        self.orders: list | None = None
+
+    def __call__(self, views) -> tuple:
+        strides = [v.stride() for v in views]
+        if strides != self.strides:
+            # stable: equal strides keep their order
+            self.orders = [sorted(range(len(st)), key=lambda d, st=st: -st[d]) for st in strides]
+            self.strides = strides
+        return tuple([torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device).copy_(v)
+                      for v, order in zip(views, self.orders)])
+
+    def __repr__(self) -> str:  # printed in the trace
+        return "CompactCopies()"
+
+
+def _compact_meta(views, copies=None):
     return tuple(TensorProxy(like=v, requires_grad=False) for v in views)
 
 
-def _compact(views) -> tuple:
-    """A compact copy of each view: a fresh tensor of the view's own bytes holding its values, its dimensions laid
-    out in the view's order (outermost stride first), so that whatever reads it sees the same layout order."""
-    out = []
-    for v in views:
-        order = sorted(range(v.ndim), key=lambda d: -v.stride(d))  # stable: equal strides keep their order
-        copy = torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device)
-        copy.copy_(v)
-        out.append(copy)
-    return tuple(out)
+def _compact(views, copies: CompactCopies | None = None) -> tuple:
+    """A compact copy of each view (see :class:`CompactCopies`; ``copies``: the call site's, None: worked out anew)."""
+    return (copies or CompactCopies())(views)
 
 
 compact = _register("fp8shard_compact", _compact_meta, _compact)

@@ -51,10 +51,15 @@ class Compaction:
     dtypes: tuple[str, ...]
     member_nbytes: tuple[int, ...]  # each view's own bytes: what its compact copy holds
     storage_nbytes: int
-    compact_at: int  # the last forward use of any tensor viewing the storage: the copies are made right after
+    compact_at: int  # the copies are made right after this step: the last forward use of any tensor viewing the
+    # storage, or a later step the planner moved them to (``moved_from``), where the memory model says the predicted
+    # peak does not rise: a shard op's (``shard_op``), or that of later compactions made in the same call
     ends: tuple[int, ...]  # the last step each copy is held to (its last use, or that of a view of it)
     compacted: bool = False
     reason: str = ""
+    shard_op: int | None = None  # the shard op whose call makes the copies (None: an fp8shard_compact call, with
+    # every other compaction made at the same step)
+    moved_from: int | None = None  # the last forward use of the storage's views, where the copies were moved from
 
     @property
     def copied_bytes(self) -> int:
@@ -174,8 +179,11 @@ class ShardPlan:
     # the shard group: "own" (the setup's), "dedicated" (a second group over its ranks), "partition" (made by the
     # pass over runs of k consecutive ranks: shard_group_size; see thunder_fp8shard.shard_groups)
     shard_group_origin: str = "own"
-    # the run-time operator calls the rewritten traces make a step, by operator name (counted in the traces)
+    # the run-time operator calls the rewritten traces make a step in the steady state, by operator name (counted in
+    # the traces), and those of the first-call checks (thunder_fp8shard.audit), made only until they are done and then
+    # removed from the program (thunder_fp8shard.steady_state)
     operator_calls: dict[str, int] = field(default_factory=dict)
+    check_calls: dict[str, int] = field(default_factory=dict)
     # the storages saved views could be compacted out of, taken or not (see thunder_fp8shard.compaction)
     compactions: list[Compaction] = field(default_factory=list)
     budget_bytes: int | None = None  # policy "budget": the budget every rank planned for (the smallest over the ranks)
@@ -187,6 +195,8 @@ class ShardPlan:
     # the device's peak at the calibration step against the prediction
     audit: dict | None = None
     calibration: dict | None = None
+    # filled at run time: when and how the first-call checks were removed from the program (None: not yet)
+    checks_removed: str | None = None
     # the forward calls of this compiled program in the first step, counted at run time (until its first backward):
     # under ThunderFX one program serves every block of the same class and shapes; None until the first backward
     runs_per_step: int | None = None
@@ -291,7 +301,11 @@ class ShardPlan:
         if self.operator_calls:
             calls = self.operator_calls
             lines.append(f"run-time operator calls per step: {sum(calls.values())} ("
-                         + ", ".join(f"{n} {name}" for name, n in calls.items() if n) + ")")
+                         + ", ".join(f"{n} {name}" for name, n in calls.items() if n) + ")"
+                         + (f"; the first steps also call the first-call checks ("
+                            + ", ".join(f"{n} {name}" for name, n in self.check_calls.items() if n)
+                            + "), removed from the program once done (at the end of the calibration step)"
+                            if any(self.check_calls.values()) else ""))
         if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
             lines += self._terms_table()
             lines += self._agreed_table()
@@ -374,6 +388,8 @@ class ShardPlan:
                        f"{fmt_bytes(c['predicted_peak_bytes'])}, error {c['error_bytes']:+,} B "
                        f"({c['error_pct']:+.2f}%)" + (", over the budget: replanned at the next call"
                                                        if c.get("budget_missed") else ""))
+        if self.checks_removed is not None:
+            out.append(f"first-call checks: {self.checks_removed}")
         if self.runs_per_step and self.runs_per_step > 1:
             out.append(f"this program ran {self.runs_per_step} times in the first step (one subgraph serving "
                        f"{self.runs_per_step} blocks): its bytes count {self.runs_per_step} times a step")

@@ -3,7 +3,8 @@ compact copies of compacted views, backward all-gathers each bucket back; each o
 
 :func:`requests` turns a plan (:class:`~thunder_fp8shard.plan.ShardPlan`: its buckets, shard ops and compactions,
 placed on the steps of the unmodified joint program) into requests anchored on the traces' bound symbols: a shard op
-right after its step (the last forward use of its members' storages), a compaction right after its step, a bucket's
+right after its step (the last forward use of its members' storages), with the views of the compactions the plan
+gives it (``Compaction.shard_op``: one call makes both), the other compactions one call a step right after it, a bucket's
 wait right before its first backward consumer, its all-gather right before the consumer of the bucket ``prefetch``
 places earlier (or at the start of the backward body). :func:`rewrite_forward` and :func:`rewrite_backward` insert
 them and return new traces (the inputs are not modified) with dels regenerated and a provenance line.
@@ -46,11 +47,13 @@ class BucketRequest:
 @dataclass(frozen=True)
 class ShardOpRequest:
     """One forward shard op, right after ``after``: the buckets whose shards it keeps in one tensor of
-    ``shard_nbytes`` bytes a rank."""
+    ``shard_nbytes`` bytes a rank, and the saved views it replaces by compact copies (``compact``: the compactions
+    the plan has it make)."""
 
     buckets: tuple[BucketRequest, ...]
     shard_nbytes: int
     after: BoundSymbol
+    compact: tuple[TensorProxy, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,15 @@ def requests(plan: ShardPlan, fw: TraceCtx, bw: TraceCtx, proxy_of: Mapping[str,
             tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
             start))
         after[b.shard_op] = fw.bound_symbols[b.shard_at]
+    by_op: dict[int, list[TensorProxy]] = {}  # compactions a shard op makes
+    by_step: dict[int, list[TensorProxy]] = {}  # the others: one call a step
+    for c in plan.compacted:
+        members = [proxy_of[m] for m in c.members]
+        (by_op.setdefault(c.shard_op, []) if c.shard_op is not None else by_step.setdefault(c.compact_at, [])).extend(
+            members)
     nbytes = plan.shard_op_nbytes
-    shard_ops = [ShardOpRequest(tuple(rs), nbytes[op], after[op]) for op, rs in ops_of.items()]
-    compactions = [CompactionRequest(tuple(proxy_of[m] for m in c.members), fw.bound_symbols[c.compact_at])
-                   for c in plan.compacted]
+    shard_ops = [ShardOpRequest(tuple(rs), nbytes[op], after[op], tuple(by_op.get(op, ()))) for op, rs in ops_of.items()]
+    compactions = [CompactionRequest(tuple(ms), fw.bound_symbols[step]) for step, ms in by_step.items()]
     return shard_ops, compactions
 
 
@@ -110,8 +118,8 @@ def rewrite_forward(
     provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
     """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
-    instead of its buckets' members; inserts each ``fp8shard_compact`` after its bound symbol and saves the compact
-    copies instead of the views."""
+    instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
+    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views."""
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     position = {id(b): i for i, b in enumerate(body)}
     new = from_trace(fw)
@@ -123,7 +131,7 @@ def rewrite_forward(
         for c in compactions:
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            copies = ops.compact(c.members)
+            copies = ops.compact(c.members, ops.CompactCopies())
             new.pop_scope()
             inserted_after.setdefault(position[id(c.after)], []).extend(scope)
             compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
@@ -136,8 +144,10 @@ def rewrite_forward(
             if spec.shard_nbytes != op.shard_nbytes:
                 raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
                                  f"{spec.shard_nbytes:,} B")
-            shard, *restorers = ops.shard(members, spec)
+            shard, *outputs = ops.shard(members, spec, *((op.compact,) if op.compact else ()))
             new.pop_scope()
+            restorers, copies = outputs[: len(op.buckets)], outputs[len(op.buckets) :]
+            compacted.update((m.name, (m, copy)) for m, copy in zip(op.compact, copies))
             inserted_after.setdefault(position[id(op.after)], []).extend(scope)
             shards.append(shard)
             sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer, r)

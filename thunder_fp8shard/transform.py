@@ -34,6 +34,7 @@ from thunder_fp8shard.planner import make_plan
 from thunder_fp8shard.rewrite import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
 from thunder_fp8shard.saved import backward_saved, forward_saved
 from thunder_fp8shard.shard_groups import ShardGroup, ShardGroups
+from thunder_fp8shard.steady_state import CHECK_NAMES, checks_dropper
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,11 @@ class ShardIntermediates(Transform):
         fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
         pending.stand_in.bound_symbols = fw_trace.bound_symbols
         pending.stand_in.set_provenance(fw_trace.get_provenance())
-        plan.operator_calls = operator_calls(fw_trace, new_bw)
+        # once both checks are done, the program's cache entry runs these traces without them
+        calibration.on_done = checks_dropper(pending.stats, pending.stand_in, new_bw)
+        calls = operator_calls(fw_trace, new_bw)
+        plan.operator_calls = {name: n for name, n in calls.items() if name not in CHECK_NAMES}
+        plan.check_calls = {name: calls[name] for name in CHECK_NAMES}
         if fwd_gather.sites:
             plan.operator_calls.update(fp8_gather.operator_calls(fw_trace))
         plan.pass_seconds = pending.seconds + time.perf_counter() - start

@@ -268,6 +268,8 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             "predicted_peak_after": getattr(plan, "peak_bytes_after", None),
             "compacted": len(plan.compacted), "compacted_bytes": plan.compacted_bytes_per_step,
             "audit": plan.audit, "calibration": plan.calibration, "runs_per_step": plan.runs_per_step,
+            "operator_calls": dict(plan.operator_calls), "checks_removed": plan.checks_removed,
+            "compactions_in_shard_ops": sum(c.shard_op is not None for c in plan.compacted),
             "decisions": [{**asdict(d), "shape": list(d.shape), "bytes_saved": d.bytes_saved} for d in plan.decisions],
             "operator_calls": dict(plan.operator_calls), "notes": list(plan.notes),
             # fp8_forward_gather's rows (empty with the option off)
