@@ -114,7 +114,7 @@ def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
         words += ('; candidates="fp8" considers float8 tensors (and TransformerEngine\'s quantized ones) only: '
                   'candidates="all" would consider these, or save FP8 copies of the weights for backward (e.g. from a '
                   'straight-through torch.autograd.Function whose forward saves the float8 weight and whose backward '
-                  'upcasts it: README, "FP8 copies on the CPU"); a float8 weight upcast in the forward '
+                  'upcasts it: docs/fp8_copies.md); a float8 weight upcast in the forward '
                   '(F.linear(x, w.to(float8).to(x.dtype))) saves the upcast copy, not the float8 one')
     return words
 
@@ -212,7 +212,7 @@ def _budget_note(budget: int, target: int, before: int, lowest: int) -> str:
 
 
 # policy "budget" plans to the budget less this part of it: the memory model predicts the device peak within about
-# 0.3% at 32 layers and 0.5% at 8 (README, "How accurate it is on the device"), so a met budget ends within 0.5% of it
+# 0.3% at 32 layers and 0.5% at 8 (docs/memory_model.md, its accuracy), so a met budget ends within 0.5% of it
 BUDGET_MARGIN = 0.005
 
 

@@ -190,7 +190,7 @@ class PreNormMLP(nn.Module):
 class FP8WeightLinear(torch.autograd.Function):
     """``x @ dequant(quant(w)).T``, saving the float8 copy of ``w`` (and its scale) for backward, which upcasts it
     again; the gradient of ``w`` is straight through (``g.T @ x``, in full precision: never a float8 cotangent). The
-    README's example of a model that saves FP8 copies on the CPU."""
+    the example of docs/fp8_copies.md: a model that saves FP8 copies on the CPU."""
 
     @staticmethod
     def forward(ctx, x, w):
