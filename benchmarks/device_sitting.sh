@@ -126,7 +126,7 @@ case "${1:-}" in
       # the GPU module runs in a later call of the sitting (pytest -n 3), which removes busy/gpu_tests_later
       s2) touch "$R/busy/gpu_tests_later"; launch fp8_32 fp8_32_budget; echo 2 > "$R/logs/expected" ;;
       s3) launch fp8_8_one_model; echo 1 > "$R/logs/expected" ;;
-      s4) export GPU_TEST_WORKERS=5; launch gpu_tests fp8_32_curve bf16_32_curve; echo 4 > "$R/logs/expected" ;;
+      s4) export GPU_TEST_WORKERS=6; launch gpu_tests fp8_32_curve bf16_32_curve; echo 4 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s1|s2|s3"; exit 2 ;;
     esac
     echo started ;;
