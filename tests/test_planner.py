@@ -364,3 +364,17 @@ def test_the_rewrite_makes_compactions_in_their_shard_ops_call_and_the_others_on
     assert alone == [] and op.compact == (proxies["V"],) and op.after is steps[3]
     (op,), (req,) = requests(replace(plan, compactions=[c]), fw, bw, proxies)
     assert op.compact == () and req.members == (proxies["V"],) and req.after is steps[1]
+
+
+def test_gloos_all_gather_temporary_is_counted_for_programs_on_the_cpu_only(monkeypatch):
+    """gloo gathers CPU tensors through a temporary of the whole output (program memory); for CUDA tensors its
+    buffers are host memory, none of the device's (the GPU tests' gloo ranks: counting it refused copies there)."""
+    import torch.distributed as dist
+
+    from thunder_fp8shard.memory_model import gathers_hold_scratch
+
+    group = object()
+    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
+    assert gathers_hold_scratch(group, None) and not gathers_hold_scratch(group, "cuda:0")
+    monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
+    assert not gathers_hold_scratch(group, None) and not gathers_hold_scratch(None, None)

@@ -15,6 +15,7 @@ from thunder.core.trace import TraceCtx
 from thunder_fp8shard.candidates import (
     Candidate, find_candidates, payload_nbytes, saved_bytes_by_dtype, te_quantized_names,
 )
+from thunder_fp8shard.device_memory import program_device
 from thunder_fp8shard.memory_model import MemoryModel, gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import MemoryTerm
@@ -46,7 +47,7 @@ def analyze(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup, device, te
     te_names = te_quantized_names(fw) if te_names is None else te_names
     candidates = find_candidates(fw, options.candidates, te_names) if setup is not None else []
     model = memory_model(fw, bw, candidates, lambda p: payload_nbytes(p, te_names), options=options, device=device,
-                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group))
+                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, program_device(fw)))
     if extra_terms:
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
     replication = None

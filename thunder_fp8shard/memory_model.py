@@ -142,15 +142,16 @@ def memory_model(
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch)
 
 
-def gathers_hold_scratch(group) -> bool:
-    """Whether an all-gather over ``group`` holds a temporary of its whole output while in flight: gloo's
-    ``all_gather_into_tensor`` does (it gathers into a buffer of its own, then copies into the output; measured on
-    the CPU with the profiler's allocation events: a 16 MiB all-gather peaked at 32 MiB), NCCL's and the fake
-    group's do not."""
+def gathers_hold_scratch(group, device: str | None) -> bool:
+    """Whether an all-gather over ``group`` of a program on ``device`` (None: the CPU; e.g. ``"cuda:0"``) holds a
+    temporary of its whole output in the program's memory while in flight: gloo's ``all_gather_into_tensor`` of CPU
+    tensors does (it gathers into a buffer of its own, then copies into the output; measured on the CPU with the
+    profiler's allocation events: a 16 MiB all-gather peaked at 32 MiB); of CUDA tensors its buffers are host
+    memory, not the device's; NCCL's and the fake group's hold none."""
     import torch.distributed as dist
 
     try:
-        return group is not None and dist.get_backend(group) == "gloo"
+        return group is not None and device is None and dist.get_backend(group) == "gloo"
     except (RuntimeError, ValueError):  # not a process group torch knows
         return False
 
