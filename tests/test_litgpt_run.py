@@ -29,20 +29,25 @@ def test_litgpt_run_is_exact_under_each_setup_it_builds(setup, on_ranks):
     assert expected in run["plan"]["text"].splitlines()[0]
     # each block's qkv, proj, fc_1, fc_2 and mlp_proj weight copies and the lm_head's (the toy recomputes its
     # dequantization later in the backward: its all-gather has compute to hide behind), each block's v
-    assert (run["sharded_total"], run["compacted_total"]) == (5 * N_LAYER + 1, N_LAYER), run["runs_per_step"]
+    # but those policy "all" leaves out because they would raise the predicted peak (on the CPU a copy gathered back
+    # before the peak is held there with its shard and gloo's temporary of its size)
+    why = (run["runs_per_step"], run["plan"]["operator_calls"], run["plan"]["text"])
+    assert run["sharded_total"] + run["raising_total"] == 5 * N_LAYER + 1, why
+    assert run["sharded_total"] >= 5 * N_LAYER and run["compacted_total"] == N_LAYER, why
     if setup == "fsdp2":  # one Dynamo graph, one Thunder compilation, for both blocks: its plan runs twice a step
         assert sorted(run["runs_per_step"]) == [1, 2], run["runs_per_step"]
     else:
         assert run["runs_per_step"] == [1]
         # both blocks' v compacted in one call (no shard op follows them in this toy's forward: every weight copy's
         # last forward use comes first), the checks gone after the calibration step (ZeRO-3 and ZeRO-2: 15 calls a
-        # step, 18 before: 2 compactions, 2 checks)
+        # step with every copy sharded, 18 before: 2 compactions, 2 checks)
         calls = run["plan"]["operator_calls"]
         assert "fp8shard_audit" not in calls, calls
         if setup == "ddp":  # under DDP a shard op follows each v: both compactions made by shard ops' calls
             assert calls["fp8shard_compact"] == 0 and run["plan"]["compactions_in_shard_ops"] == N_LAYER, calls
         else:
-            assert calls["fp8shard_compact"] == 1 and sum(calls.values()) == 15, calls
+            # one shard op and one bucket a copy here: 15 calls with all 11 sharded, 2 fewer a copy left out
+            assert calls["fp8shard_compact"] == 1 and sum(calls.values()) == 15 - 2 * run["raising_total"], calls
     assert run["plan"]["checks_removed"].startswith("after backward call"), run["plan"]["checks_removed"]
     for a, b in zip(without, with_):  # the plans' predicted saving, each counted once per run, is what autograd saves
         assert a["saved_bytes_measured"] - b["saved_bytes_measured"] == b["predicted_saving_total"] > 0

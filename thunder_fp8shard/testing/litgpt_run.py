@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from thunder_fp8shard.planner import RAISES
+
 
 # the GPU tests' litgpt Llama-2-7b-hf config, shrunk to keep them fast (``tests/test_te_gpu.py``,
 # ``benchmarks/memory_at_peak.py``): RunConfig overrides
@@ -255,6 +257,9 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         out["runs_per_step"] = runs
         out["sharded_total"] = sum(len(p.sharded) * r for p, r in zip(trained, runs))
         out["compacted_total"] = sum(len(p.compacted) * r for p, r in zip(trained, runs))
+        # replicated copies policy "all" left out because sharding them would raise the predicted peak
+        out["raising_total"] = sum(sum(1 for d in p.decisions if d.replicated and not d.sharded and d.reason == RAISES)
+                                   * r for p, r in zip(trained, runs))
         out["predicted_saving_total"] = sum((p.saved_bytes_before - p.saved_bytes_after) * r
                                             for p, r in zip(trained, runs))
         plan = max(trained, key=lambda p: len(p.decisions) + len(p.compactions)) if trained else sh.plans[-1]
@@ -271,7 +276,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             "operator_calls": dict(plan.operator_calls), "checks_removed": plan.checks_removed,
             "compactions_in_shard_ops": sum(c.shard_op is not None for c in plan.compacted),
             "decisions": [{**asdict(d), "shape": list(d.shape), "bytes_saved": d.bytes_saved} for d in plan.decisions],
-            "operator_calls": dict(plan.operator_calls), "notes": list(plan.notes),
+            "notes": list(plan.notes),
             # fp8_forward_gather's rows (empty with the option off)
             "forward_gather": [{**asdict(g), "shape": list(g.shape)} for g in plan.forward_gather],
             "forward_gather_bytes": list(plan.forward_gather_bytes),
