@@ -61,7 +61,9 @@ def main(argv=None) -> None:
     print(f"# {os.path.basename(a.prefix)}\n\n{results[0]['design']}; {results[0]['communication']}; "
           f"base median {results[0]['overhead_pct']['base_median']:.1f} ms\n")
     print(overheads(results) + "\n")
-    profile = results[0].get("profile") or {}
+    profile = {}  # each file may keep only its own arm's and the base's profile
+    for r in results:
+        profile.update(r.get("profile") or {})
     base = results[0]["base"]
     for arm, prof in profile.items():
         if arm == base:
