@@ -36,6 +36,10 @@ the log's last lines are a table. Usage (one H200, simulated 8 ranks)::
         --model_name=Llama-2-7b-hf --micro_batch_size=1 --compile=thunder_inductor_cat \\
         --low_precision_mode=fp8-default-te --n_layers=32
 
+``--one-model``: one model is built and compiled (the base); every other arm is a program of it, the base's traces
+before the pass rewritten by the arm's own pass (:mod:`benchlib.shared_compile`): seconds an arm instead of a
+compilation, and every arm's step in the same resident memory. Without it, each arm is a model of its own.
+
 ``--timed`` is the number of timed iterations of each non-base arm (the base runs as many for each comparison).
 The arms without the pass are built first, so that each compilation of the pass measures the others' resident
 memory, which every iteration's peak includes.
