@@ -102,6 +102,12 @@ bf16_32_curve() {  # s4: bf16's curve from one run
     --one-model -- $FLAGS --n_layers=32
 }
 
+# third session of 2026-12-02
+bf16_32_again() {  # s5: bf16 "all"'s second launch (issue #31 item 4 asks two)
+  paired paired_bf16_l32_n8_again '{"without": null, "null": null, "all": {"candidates": "all", "optimizer_states": 2}}' 40 \
+    --one-model -- $FLAGS --n_layers=32
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -128,7 +134,8 @@ case "${1:-}" in
       s2) touch "$R/busy/gpu_tests_later"; launch fp8_32 fp8_32_budget; echo 2 > "$R/logs/expected" ;;
       s3) launch fp8_8_one_model; echo 1 > "$R/logs/expected" ;;
       s4) export GPU_TEST_WORKERS=6; launch gpu_tests fp8_32_curve bf16_32_curve; echo 4 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3"; exit 2 ;;
+      s5) export GPU_TEST_WORKERS=6; launch gpu_tests bf16_32_again; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5"; exit 2 ;;
     esac
     echo started ;;
   collect)
