@@ -108,6 +108,28 @@ bf16_32_again() {  # s5: bf16 "all"'s second launch (issue #31 item 4 asks two)
     --one-model -- $FLAGS --n_layers=32
 }
 
+FWD='{"without": null, "null": null, "default": {"optimizer_states": 2},
+  "fwdgather": {"optimizer_states": 2, "fp8_forward_gather": true}}'
+
+fp8_32_fwd() {  # s6: the default with and without the FP8 forward all-gather of two operators (issue #32), profiled
+  mkdir -p "$R/traces"
+  paired paired_fp8_l32_n8_fwd "$FWD" 40 --one-model --profile --profile-arms without,default,fwdgather \
+    --trace-dir "$R/traces" -- $FLAGS $FP8 --n_layers=32
+  touch "$R/busy/fp8_32_fwd_again" && (JOB=fp8_32_fwd_again; fp8_32_fwd_again)  # the second launch, once this one is done
+}
+
+fp8_32_fwd_again() {
+  paired paired_fp8_l32_n8_fwd_again "$FWD" 40 --one-model -- $FLAGS $FP8 --n_layers=32
+}
+
+models_8() {  # s6: more model families, 8 layers (issue #33 item 6): tests/test_models_gpu.py, one model at a time
+  mkdir -p "$R/models"
+  OUT="$R/models" python3 -m pytest -q tests/test_models_gpu.py -p no:cacheprovider -s --durations=5 \
+    > "$R/logs/test_models_gpu.log" 2>&1
+  echo "models_8 rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -120,7 +142,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   local job
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "$(declare -f paired memory_only fp8_32_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "$(declare -f paired memory_only fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -135,7 +157,8 @@ case "${1:-}" in
       s3) launch fp8_8_one_model; echo 1 > "$R/logs/expected" ;;
       s4) export GPU_TEST_WORKERS=6; launch gpu_tests fp8_32_curve bf16_32_curve; echo 4 > "$R/logs/expected" ;;
       s5) export GPU_TEST_WORKERS=6; launch gpu_tests bf16_32_again; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5"; exit 2 ;;
+      s6) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 fp8_32_fwd; echo 4 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6"; exit 2 ;;
     esac
     echo started ;;
   collect)
