@@ -42,6 +42,7 @@ from thunder_fp8shard.ops import executor
 
 _ASYNC = AllgatherOptions()
 _ASYNC.asyncOp = True
+_float8_tensor = None  # TE's Float8Tensor class, imported with the first qualifying quantizer
 
 
 class WeightGatherSpec:
@@ -51,7 +52,7 @@ class WeightGatherSpec:
     quantizer object), the rowwise-only quantizer copy, or None where the quantizer does not qualify."""
 
     __slots__ = ("group", "world_size", "rank", "rows", "valid_rows", "out_features", "in_features", "dtype",
-                 "weight", "linear", "padded", "trimmed", "_copy_of", "_copy")
+                 "weight", "linear", "padded", "trimmed", "_copy_of", "_copy", "_cast")
 
     def __init__(self, group, world_size: int, rank: int, rows: int, valid_rows: int, out_features: int,
                  in_features: int, dtype: torch.dtype, weight: str = "", linear: Callable | None = None):
@@ -63,20 +64,26 @@ class WeightGatherSpec:
         self.linear = linear
         self.padded = valid_rows != rows  # this rank's shard has padding rows (left out of the cast)
         self.trimmed = world_size * rows != out_features  # the gathered buffer has padding rows (sliced off)
-        self._copy_of, self._copy = None, None
+        self._copy_of, self._copy, self._cast = None, None, None
 
     def rowwise_copy(self, quantizer):
         """A shallow copy of ``quantizer`` (same ``scale`` and ``amax`` tensors) that casts rowwise only and returns
         TE's internal storage, or None where ``quantizer`` is not a non-internal ``Float8Quantizer`` (the run-time
         fallback); ``quantizer``'s own usage flags are never touched. Kept for the next call with the same
-        quantizer."""
+        quantizer, with its cast (``quantize_impl``: what ``Quantizer.__call__`` runs for an internal quantizer
+        without autograd, called directly)."""
+        global _float8_tensor
         if self._copy_of is not quantizer:
             q = None
             if type(quantizer).__name__ == "Float8Quantizer" and not getattr(quantizer, "internal", False):
                 q = quantizer.copy()
                 q.set_usage(rowwise=True, columnwise=False)
                 q.internal = True
-            self._copy_of, self._copy = quantizer, q
+                if _float8_tensor is None:
+                    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+                    _float8_tensor = Float8Tensor
+            self._copy_of, self._copy, self._cast = quantizer, q, None if q is None else q.quantize_impl
         return self._copy
 
     def __str__(self) -> str:
@@ -136,11 +143,11 @@ def start_one(shard: torch.Tensor, quantizer, fp8: bool, spec: WeightGatherSpec)
         send = shard.contiguous()
         return WeightGatherHandle(spec.group._allgather_base(buf, send, _ASYNC), buf, None, None, None, send)
     if spec.padded:  # padding rows (uninitialized memory) never enter the amax nor the bytes
-        cast = q(shard[: spec.valid_rows])
+        cast = spec._cast(shard[: spec.valid_rows])
         send = torch.zeros((c, cols), dtype=torch.uint8, device=shard.device)
         send[: spec.valid_rows].copy_(cast._data.view(torch.uint8))
     else:
-        cast = q(shard)
+        cast = spec._cast(shard)
         send = cast._data
         if send.dtype is not torch.uint8:
             send = send.view(torch.uint8)
@@ -160,21 +167,13 @@ def _starts(shards, quantizers, recipes, batch: GatherBatch) -> tuple[WeightGath
 
 weight_gather_starts = executor.register_operator("fp8shard_weight_gather_starts", meta=_starts_meta, fn=_starts)
 
-_float8_tensor = None
-
-
 def gathered_weight(handle: WeightGatherHandle, spec: WeightGatherSpec):
     """Waits for ``handle``'s all-gather and returns the full weight: a TE ``Float8Tensor`` over the gathered rowwise
     bytes (fp8), or the unpadded bf16 weight (fallback)."""
-    global _float8_tensor
     handle.work.wait()
     full = handle.buf[: spec.out_features] if spec.trimmed else handle.buf
     if handle.scale_inv is None:  # fallback: the bf16 weight, FSDP's unpad slice
         return full
-    if _float8_tensor is None:
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
-
-        _float8_tensor = Float8Tensor
     return _float8_tensor(shape=full.shape, dtype=spec.dtype, data=full, fp8_scale_inv=handle.scale_inv,
                           fp8_dtype=handle.fp8_dtype, data_transpose=None, quantizer=handle.quantizer,
                           requires_grad=False, device=full.device)
