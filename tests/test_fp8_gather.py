@@ -194,7 +194,8 @@ def _names(trace):
     return [b.sym.name for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
 
 
-THUNDER_CALLS = {"torch_all_gather_prim_impl", "torch_wait_prim_impl", "torch_slice_prim_impl", "te_functional_linear_fwd"}
+THUNDER_CALLS = {"torch_all_gather_prim_impl", "torch_wait_prim_impl", "torch_slice_prim_impl",
+                 "te_functional_linear_fwd"}
 
 
 @pytest.mark.parametrize("sorted_waits", [False, True], ids=["gathers-apart", "sort_waits"])
