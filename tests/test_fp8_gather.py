@@ -78,8 +78,8 @@ def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight
     """A forward trace: for each ``(out, in)`` in ``weights`` a parameter shard input (``ceil(out/n)`` rows), its
     all-gather over ``group``, the wait, the unpad slice where ``n`` does not divide ``out`` (``pad=True`` forces
     one, ``slice_end`` replaces its end), the linear's state and quantizers, the TE linear. ``sorted_waits``: every
-    all-gather at the top, then the recipe getter, as Thunder's ``sort_waits`` leaves them (else each all-gather
-    right before its wait); ``between``: indices of weights whose all-gather is preceded by a compute op (only with
+    all-gather at the top (each after its argument's unpack), then the recipe getter, as Thunder's ``sort_waits``
+    leaves them (else each all-gather right before its wait); ``between``: indices of weights whose all-gather is preceded by a compute op (only with
     ``sorted_waits``). Returns the trace and the shard proxies."""
     trace = TraceCtx()
     body = []
@@ -93,6 +93,8 @@ def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight
             for i, shard in enumerate(shards):
                 if between and i in between:
                     _sym["use"](x)
+                # as in Thunder's traces, each argument's unpack right before its all-gather
+                body.append(prims.unpack_trivial.bind(shard, name=shard.name, output=shard))
                 futs[i] = _sym["gather"](shard, group, True, None)
         r = _sym["recipe"]()
         saved = []
@@ -247,7 +249,7 @@ def test_one_start_call_per_run_of_adjacent_all_gathers():
     assert len(start.args[3].specs) == 5
     names = _names(new)
     # the recipe, state and quantizer getters moved up before the start, in their order; nothing else before it
-    before = names[:names.index("fp8shard_weight_gather_starts")]
+    before = [n for n in names[:names.index("fp8shard_weight_gather_starts")] if n != "unpack_trivial"]
     assert before == ["get_te_fp8_recipe_0"] + [g for i in range(5) for g in (f"get_te_fp8_state_{i}",
                                                                               f"get_te_fp8_quantizers_{i}")], before
     split, _ = forward(weights, sorted_waits=True, between={3})
