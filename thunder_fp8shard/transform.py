@@ -166,7 +166,9 @@ class ShardIntermediates(Transform):
         plan.operator_calls = {name: n for name, n in calls.items() if name not in CHECK_NAMES}
         plan.check_calls = {name: calls[name] for name in CHECK_NAMES}
         if fwd_gather.sites:
-            plan.operator_calls.update(fp8_gather.operator_calls(fw_trace))
+            gather_calls = fp8_gather.operator_calls(fw_trace)
+            plan.operator_calls.update(gather_calls)
+            plan.forward_gather_calls = (fwd_gather.calls_replaced, sum(gather_calls.values()))
         plan.pass_seconds = pending.seconds + time.perf_counter() - start
         self._record(plan)
         return new_bw
