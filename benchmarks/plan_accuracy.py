@@ -19,6 +19,9 @@ Examples::
     # 2 GPUs, NCCL, TE FP8, 8 layers of Llama-2-7b
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/plan_accuracy.py --backend nccl \\
         --n-layer 8 --seq-len 4096 --sdpa --out benchmarks/results/plan_accuracy_l8.json
+    # one H200, rank 0 of 8 simulated ranks (fake process group), 8 layers, every block checkpointed
+    python benchmarks/plan_accuracy.py --backend fake --world-size 8 --n-layer 8 --seq-len 4096 \\
+        --checkpoint-activations --options '{"candidates": "all"}' --out /tmp/acc_ckpt_all.json
     # CPU, 2 gloo ranks, fake FP8
     python benchmarks/plan_accuracy.py --model toy --no-te --device cpu --n-layer 2 --seq-len 16 --out /tmp/acc.json
 """
@@ -341,10 +344,14 @@ def parse_args(argv=None):
     litgpt_run.add_model_args(p)
     p.add_argument("--model", choices=("litgpt", "toy"), default="litgpt", help="toy: fake-FP8 Llama without litgpt")
     p.add_argument("--world-size", type=int, default=2, help="gloo: ranks to spawn (torchrun sets it for nccl)")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--backend", choices=("gloo", "nccl", "fake"), default="gloo",
+                   help="fake: one process plays rank 0 of --world-size in torch's fake process group (simulated "
+                        "ranks: memory as on that many devices, no communication)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--te", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="every block under torch.utils.checkpoint (Thunder's benchmark's --checkpoint_activations=True)")
     p.add_argument("--steps", type=int, default=3, help="AdamW steps; the last one is recorded")
     p.add_argument("--shard", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-shard: the pass plans but shards nothing (policy budget with a budget already met)")
@@ -363,21 +370,26 @@ def main(argv=None) -> dict:
     cfg = litgpt_run.RunConfig(
         model=a.model, model_name=a.model_name, n_layer=a.n_layer, n_embd=a.n_embd, intermediate_size=a.intermediate_size,
         n_head=a.n_head, vocab_size=a.vocab_size, micro_batch_size=a.micro_batch_size, seq_len=a.seq_len, steps=a.steps,
-        sdpa=a.sdpa, te=a.te, device=a.device, extra=extra,
+        sdpa=a.sdpa, te=a.te, device=a.device, extra=extra, checkpoint_activations=a.checkpoint_activations,
     )
     if a.backend == "gloo":
         from thunder_fp8shard.testing.harness import run_on_ranks
 
         ranks = run_on_ranks(accuracy_rank, a.world_size, cfg, a.steps, a.snapshot_dir)
+    elif a.backend == "fake":
+        from thunder_fp8shard.testing.harness import run_simulated
+
+        ranks = [run_simulated(accuracy_rank, a.world_size, cfg, a.steps, a.snapshot_dir, timeout_s=1800)]
     else:
         if not dist.is_initialized():
             dist.init_process_group("nccl")
         mine = accuracy_rank(dist.get_rank(), dist.get_world_size(), cfg, a.steps, a.snapshot_dir)
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
-    result = {"config": {**asdict(replace(cfg)), "backend": a.backend, "world_size": len(ranks)},
+    result = {"config": {**asdict(replace(cfg)), "backend": a.backend,
+                         "world_size": a.world_size if a.backend == "fake" else len(ranks)},
               "device": litgpt_run.device_info(), "ranks": ranks}
-    if a.backend == "gloo" or dist.get_rank() == 0:
+    if a.backend != "nccl" or dist.get_rank() == 0:
         write(result, a.out)
         r0 = ranks[0]
         print(f"rank 0: predicted peak {r0['predicted']['peak_bytes']:,} B ({r0['predicted']['peak']['phase']}, "

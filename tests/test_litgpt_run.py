@@ -56,3 +56,30 @@ def test_litgpt_run_is_exact_under_each_setup_it_builds(setup, on_ranks):
 def test_litgpt_run_refuses_an_unknown_setup():
     with pytest.raises(ValueError, match="setup must be 'zero3', 'zero2', 'ddp' or 'fsdp2'"):
         litgpt_run.setup_rank(0, litgpt_run.RunConfig(**TOY, setup="hsdp"))
+
+
+# litgpt's own Llama (its Block: what Thunder's benchmark wraps under --checkpoint_activations=True), shrunk, bf16
+CHECKPOINTED = dict(model="litgpt", model_name="Llama-2-7b-hf", n_layer=N_LAYER, n_embd=64, n_head=4,
+                    intermediate_size=96, vocab_size=128, seq_len=16, micro_batch_size=2, steps=3, te=False,
+                    device="cpu", return_grads=True, checkpoint_activations=True)
+
+
+@pytest.mark.multirank
+def test_checkpointed_blocks_gathered_weights_sharded_exactly(on_ranks):
+    """Every litgpt block under ``torch.utils.checkpoint`` (as Thunder's benchmark's ``--checkpoint_activations=True``
+    wraps them), Thunder FSDP ZeRO-3, two gloo ranks, ``candidates="all"``: Thunder saves each block's all-gathered
+    weights for the recompute in backward; they are replicated candidates, sharded (but those the plan leaves out), the
+    saved bytes fall by the plan's prediction, and losses and every gradient of three AdamW steps are bitwise equal
+    to the run without the pass."""
+    extra = {"candidates": "all", "min_bytes": 0}
+    without, with_ = (on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**CHECKPOINTED, shard=s, extra=extra))
+                      for s in (False, True))
+    litgpt_run.assert_bitwise_equal_and_nonzero(without, with_, CHECKPOINTED["steps"])
+    plan = with_[0]["plan"]
+    e, i = CHECKPOINTED["n_embd"], CHECKPOINTED["intermediate_size"]
+    block_weights = sorted([[3 * e, e], [e, e], [i, e], [i, e], [e, i]] * N_LAYER)
+    weights = [d for d in plan["decisions"] if d["replicated"] and len(d["shape"]) == 2 and d["shape"] != [128, e]]
+    assert sorted(d["shape"] for d in weights) == block_weights, plan["text"]
+    assert sum(d["sharded"] for d in weights) >= 5, plan["text"]  # at least one block's weights
+    for a, b in zip(without, with_):
+        assert a["saved_bytes_measured"] - b["saved_bytes_measured"] == b["predicted_saving_total"] > 0

@@ -59,6 +59,8 @@ class RunConfig:
     extra: dict = field(default_factory=dict)  # further ShardIntermediates options (bucket_bytes, comm, ...)
     setup: str = "zero3"  # "zero3", "zero2": FSDPTransform with that strategy; "ddp": thunder.distributed.ddp;
     # "fsdp2": PyTorch FSDP2 (fully_shard each block and the model) compiled by ThunderFX
+    checkpoint_activations: bool = False  # every block under torch.utils.checkpoint, as Thunder's benchmark's
+    # --checkpoint_activations=True wraps them (checkpoint_blocks)
 
 
 def litgpt_config(cfg: RunConfig):
@@ -151,6 +153,8 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
         model = model.to(torch.bfloat16)
         vocab = lcfg.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
+    if cfg.checkpoint_activations:
+        checkpoint_blocks(model)
 
     transforms = []
     if cfg.te:
@@ -180,6 +184,29 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
             jm = ddp(jm)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)
     return RankSetup(jm, opt, sh, device, vocab, n_params)
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Every transformer block (litgpt's ``Block``, the toy's ``LlamaBlock``) wrapped to run under
+    ``torch.utils.checkpoint`` (non-reentrant), as Thunder's benchmark's ``setup_activation_checkpointing`` wraps
+    them: Thunder traces the wrapped call as its ``activation_checkpoint`` symbol and recomputes the block in
+    backward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    from thunder_fp8shard.testing.toy_models import LlamaBlock
+
+    blocks: tuple[type, ...] = (LlamaBlock,)
+    try:
+        from litgpt.model import Block
+
+        blocks = (*blocks, Block)
+    except ImportError:  # pragma: no cover (the toy without litgpt)
+        pass
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda m: isinstance(m, blocks))
 
 
 def _fsdp2_under_thunderfx(model, cfg: RunConfig, device, transforms: list):
