@@ -71,6 +71,7 @@ def test_checkpointed_blocks_gathered_weights_sharded_exactly(on_ranks):
     weights for the recompute in backward; they are replicated candidates, sharded (but those the plan leaves out), the
     saved bytes fall by the plan's prediction, and losses and every gradient of three AdamW steps are bitwise equal
     to the run without the pass."""
+    pytest.importorskip("litgpt")  # the device image's (and a dev install's), not the test extra's
     extra = {"candidates": "all", "min_bytes": 0}
     without, with_ = (on_ranks(litgpt_run.run_rank, 2, litgpt_run.RunConfig(**CHECKPOINTED, shard=s, extra=extra))
                       for s in (False, True))
