@@ -108,7 +108,7 @@ bf16_32_again() {  # s5: bf16 "all"'s second launch (issue #31 item 4 asks two)
     --one-model -- $FLAGS --n_layers=32
 }
 
-FWD='{"without": null, "null": null, "default": {"optimizer_states": 2},
+FWD='{"without": null, "null": null, "default": {"optimizer_states": 2, "fp8_forward_gather": false},
   "fwdgather": {"optimizer_states": 2, "fp8_forward_gather": true}}'
 
 fp8_32_fwd() {  # s6: the default with and without the FP8 forward all-gather of two operators (issue #32), profiled
