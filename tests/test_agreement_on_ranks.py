@@ -1,4 +1,4 @@
-"""Every rank compiles the same plan (thunder_fp8shard.agreement), on real gloo ranks: the plan's per-rank inputs are
+"""Every rank compiles the same plan (thunder_fp8shard.distributed.agreement), on real gloo ranks: the plan's per-rank inputs are
 agreed before planning, and a plan whose collectives differ between ranks raises the same error on every rank before
 any of them runs. (The pure parts and the fake process group: tests/test_agreement.py.)
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_fp8shard.agreement import collectives
+from thunder_fp8shard.distributed.agreement import collectives
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
@@ -29,7 +29,7 @@ def _planted_measure(rank):
     """What a rank's device would say while compiling: rank r holds r x 200 MB and a cuBLAS workspace of 1 << (10 + r)
     bytes, and every rank but the first could not force a TE GEMM workspace (one more memory term there: unknown);
     on the CPU nothing is measured, so the test plants it where the transform reads it."""
-    from thunder_fp8shard.device_memory import DeviceMemory
+    from thunder_fp8shard.memory.device import DeviceMemory
 
     def measure(trace, *, transformer_engine, cublas=True):
         failed = (("TransformerEngine GEMM", "planted: CUDA out of memory"),) if rank else ()
@@ -54,7 +54,7 @@ def run_scenarios(rank, world_size, scenarios):
     """Each scenario on this rank: ``(baseline, with the pass)``, or, for a planted plan mismatch, the error's text.
     The scenarios differ only in the pass's options, so one run without the pass is every scenario's baseline.
     Seams are planted for their scenario only."""
-    import thunder_fp8shard.planner as planner
+    import thunder_fp8shard.planning.planner as planner
     import thunder_fp8shard.transform as transform
 
     baseline = train(rank, world_size, RunConfig(**BASE, use_pass=False))

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from thunder_fp8shard.planner import BUDGET_MARGIN, budget_target
+from thunder_fp8shard.planning.planner import BUDGET_MARGIN, budget_target
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
 WIDTHS = (25, 61, 47, 7)
@@ -29,7 +29,7 @@ def test_budget_target_is_the_budget_less_its_margin():
 def planted_peak_run(rank, world_size):
     """On this rank: a plan of every candidate (its predicted peaks before and after), a budget between them, and a
     budget run whose calibration reads a planted device peak over the budget (more on rank 1); and the baseline."""
-    import thunder_fp8shard.audit as audit
+    import thunder_fp8shard.runtime.audit as audit
 
     every = train(rank, world_size, replace(BASE, batch_sizes=(3,)))
     p0, p_all = every.plans[0].peak_bytes_before, every.plans[0].peak_bytes_after

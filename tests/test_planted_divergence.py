@@ -10,8 +10,8 @@ pytestmark = pytest.mark.multirank
 
 def _with_broken_analysis(job):
     def run(rank, world_size, cfg):
-        import thunder_fp8shard.analysis as analysis
-        from thunder_fp8shard.replication import Replication
+        import thunder_fp8shard.analysis.analyze as analysis
+        from thunder_fp8shard.analysis.replication import Replication
 
         def everything_replicated(trace, group, *roots_and_reasons):
             return Replication(frozenset(p.name for b in trace.bound_symbols for p in b.flat_proxy_outs))
