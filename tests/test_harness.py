@@ -24,7 +24,7 @@ def _plant_state(rank, world_size):
 
     first = torch.rand(3)
     os.environ["FP8SHARD_PLANTED"] = str(rank)
-    analysis.analyze_replication = "planted"  # the seam tests/test_planted_divergence.py plants
+    analysis.analyze_replication = "planted"  # a module global of the pass, rebound
     torch.set_grad_enabled(False)
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)

@@ -4,7 +4,8 @@ program (:mod:`thunder_fp8shard.analysis`), agrees the per-rank inputs (:mod:`th
 (:mod:`thunder_fp8shard.rewrite`) and arms the run-time checks (:mod:`thunder_fp8shard.runtime`). It reads and
 writes nothing of Thunder's: the transform (:mod:`thunder_fp8shard.transform`) hands it the traces and what it read
 while compiling, and installs what it returns. Its only effects are the collectives of the agreement and the check,
-over the shard group it is given.
+over the shard group it is given. What it reads of the world (the device, the other ranks) and the two decisions the
+tests plant wrong on purpose come in as :class:`Seams`, never as patched module globals.
 """
 
 from __future__ import annotations
@@ -13,24 +14,37 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.analyze import analyze
+from thunder_fp8shard.analysis.replication import analyze_replication
 from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
-from thunder_fp8shard.distributed.agreement import agree, check, largest
+from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES, Collectives, agree, check, largest
 from thunder_fp8shard.distributed.integrations import Integration
 from thunder_fp8shard.distributed.shard_groups import ShardGroup
-from thunder_fp8shard.memory.device import DeviceMemory, program_device
+from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe, program_device
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planning.planner import make_plan
+from thunder_fp8shard.planning.planner import choose, make_plan
 from thunder_fp8shard.rewrite import fp8_gather
 from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
 from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, calibration_term, expected_storages
 from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
+
+
+@dataclass(frozen=True)
+class Seams:
+    """What the pass reads of the world, and the two choices a test plants wrong on purpose; injected into the
+    transform (``ShardIntermediates.inject(...)``), which passes them to :func:`compile_plan`."""
+
+    device_probe: DeviceProbe = field(default_factory=DeviceProbe)  # the device's allocator, while compiling and at
+    # the calibration step
+    collectives: Collectives = TORCH_COLLECTIVES  # the agreement's and the check's, over the shard group
+    replication_analysis: Callable = analyze_replication  # which tensors are identical on every rank
+    chooser: Callable = choose  # the planner's choice of shards and compactions
 
 
 @dataclass(frozen=True)
@@ -57,12 +71,13 @@ def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardG
 def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integration | None,
                  shards: ShardGroup | None, device: DeviceMemory | None, te_names: frozenset[str],
                  calibration_bytes: int | None, on_miss: Callable[[int], None], name: str = "ShardIntermediates",
-                 ) -> Compiled:
+                 seams: Seams = Seams()) -> Compiled:
     """Plans the program ``fw`` + ``bw`` and rewrites it. ``setup``: the distributed setup (None: compaction alone);
     ``shards``: this rank's shard group (the plan's collectives run on it); ``device``: what the device's allocator
     said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
     ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
-    calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance."""
+    calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
+    ``seams``: the device, the collectives and the two plantable choices."""
     if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     o = options
@@ -70,18 +85,18 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     k = shards.size if shards is not None else 1
     extra = (calibration_term(calibration_bytes, len(fw.bound_symbols) + len(bw.bound_symbols) - 1),) if (
         calibration_bytes) else ()
-    analysis = analyze(fw, bw, o, setup, device, te_names, extra)
+    analysis = analyze(fw, bw, o, setup, device, te_names, extra, replication_analysis=seams.replication_analysis)
     # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
-    agreed = agree(analysis.model.terms, o.budget_bytes, group)
+    agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
     plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
-                            k, plan_header(o, setup, shards), agreed.values)
+                            k, plan_header(o, setup, shards), agreed.values, chooser=seams.chooser)
     for warning in warns:
         warnings.warn(f"{name}: {warning}", stacklevel=3)
     fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
                                  group=setup and setup.group, world_size=setup.world_size if setup else 1)
     plan.forward_gather, plan.notes = list(fwd_gather.rows), [*plan.notes, *fwd_gather.notes]
     if group is not None:
-        check(plan, group, verify=o.verify)  # before any collective of the plan
+        check(plan, group, verify=o.verify, comm=seams.collectives)  # before any collective of the plan
     shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
     n = sum(len(r.members) for op in shard_ops for r in op.buckets)
     new_fw = rewrite_forward(
@@ -94,8 +109,9 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     )
     audit = SavedAudit(plan, expected_storages(analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
-    calibration = Calibration(plan, program_device(fw), plan.budget_bytes, functools.partial(largest, group=group),
-                              on_miss, audit)
+    calibration = Calibration(plan, program_device(fw), plan.budget_bytes,
+                              functools.partial(largest, group=group, comm=seams.collectives), on_miss, audit,
+                              peak=seams.device_probe.peak_allocated)
     new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)

@@ -25,9 +25,9 @@ from thunder_fp8shard.analysis.candidates import te_quantized_names
 from thunder_fp8shard.analysis.saved import forward_saved
 from thunder_fp8shard.distributed import integrations
 from thunder_fp8shard.distributed.shard_groups import ShardGroup, ShardGroups
-from thunder_fp8shard.memory.device import DeviceMemory, cublas_gemms, measure
+from thunder_fp8shard.memory.device import DeviceMemory, cublas_gemms
 from thunder_fp8shard.options import OPTION_NAMES, options_from, signature
-from thunder_fp8shard.pipeline import compile_plan, plan_header
+from thunder_fp8shard.pipeline import Seams, compile_plan, plan_header
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.runtime.audit import cache_dropper
 from thunder_fp8shard.runtime.steady_state import checks_dropper
@@ -65,7 +65,8 @@ class ShardIntermediates(Transform):
 
     Options: keyword-only, the fields of :class:`~thunder_fp8shard.options.ShardOptions` with its defaults
     (``inspect.signature`` and ``help()`` show them), validated at construction; ShardOptions' docstring and the
-    README's "Options" table say what each does.
+    README's "Options" table say what each does. What the pass reads of the world (the device, the other ranks) can
+    be replaced with :meth:`inject` (tests do, to plant readings on the CPU).
     """
 
     def __init__(self, **options):
@@ -74,6 +75,14 @@ class ShardIntermediates(Transform):
         self._pending: _PendingForward | None = None
         self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
         self._calibration_bytes: int | None = None  # set by a missed budget: planned with from then on
+        self.seams = Seams()
+
+    def inject(self, **seams) -> ShardIntermediates:
+        """Replaces what the pass reads of the world, or a choice a test plants wrong on purpose: the fields of
+        :class:`~thunder_fp8shard.pipeline.Seams` (``device_probe``, ``collectives``, ``replication_analysis``,
+        ``chooser``). Returns the transform."""
+        self.seams = dataclasses.replace(self.seams, **seams)
+        return self
 
     OPTIONS = OPTION_NAMES
     __init__.__signature__ = signature(OPTIONS)
@@ -105,7 +114,7 @@ class ShardIntermediates(Transform):
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance(f"{type(self).__name__}: forward as compiled, until its backward is planned"))
         te_names = frozenset(te_quantized_names(fw))
-        device = measure(fw, transformer_engine=bool(te_names), cublas=cublas_gemms(fw))
+        device = self.seams.device_probe.while_compiling(fw, transformer_engine=bool(te_names), cublas=cublas_gemms(fw))
         stats = _compile_data.get()[1]
         self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup, shards, stats,
                                         te_names)
@@ -118,7 +127,7 @@ class ShardIntermediates(Transform):
             return bw
         out = compile_plan(pending.original, bw, self.options, pending.setup, pending.shards, pending.device,
                            pending.te_names, self._calibration_bytes, functools.partial(self._replan, pending.stats),
-                           type(self).__name__)
+                           type(self).__name__, self.seams)
         pending.stand_in.bound_symbols = out.forward.bound_symbols
         pending.stand_in.set_provenance(out.forward.get_provenance())
         # once both checks are done, the program's cache entry runs these traces without them

@@ -38,12 +38,14 @@ class Analysis:
 
 
 def analyze(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup, device, te_names: set[str] | None = None,
-            extra_terms: Sequence[MemoryTerm] = ()) -> Analysis:
+            extra_terms: Sequence[MemoryTerm] = (), replication_analysis=analyze_replication) -> Analysis:
     """The analysis of the program ``fw`` + ``bw``. ``setup``: the distributed setup
     (:class:`~thunder_fp8shard.distributed.integrations.Integration`; None: compaction alone); ``device``: the
     :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling (None on the CPU); ``te_names``:
     :func:`~thunder_fp8shard.analysis.candidates.te_quantized_names` of ``fw`` where the caller has them; ``extra_terms``:
-    memory terms measured at run time before (the calibration's error after a missed budget)."""
+    memory terms measured at run time before (the calibration's error after a missed budget);
+    ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a test injects
+    another, see :class:`thunder_fp8shard.pipeline.Seams`)."""
     te_names = te_quantized_names(fw) if te_names is None else te_names
     candidates = find_candidates(fw, options.candidates, te_names) if setup is not None else []
     model = memory_model(fw, bw, candidates, lambda p: payload_nbytes(p, te_names), options=options, device=device,
@@ -52,6 +54,6 @@ def analyze(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup, device, te
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
     replication = None
     if setup is not None:
-        replication = analyze_replication(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
+        replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
     return Analysis(tuple(candidates), model, replication, frozenset(p.name for p in forward_saved(fw)[0]),
                     frozenset(model_io_names(fw)), saved_bytes_by_dtype(fw, te_names))

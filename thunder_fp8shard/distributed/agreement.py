@@ -19,9 +19,11 @@ size, method, shard ops, buckets, byte sizes, where each collective is issued an
 fixed size, so the check itself cannot mismatch. Where they differ every rank sees it: all ranks all-gather the
 readable descriptions and raise the same error, naming what differs, before any shard collective has run.
 
-Collectives run on the device the group's backend needs: the current CUDA device for NCCL, the CPU otherwise (gloo,
-and torch's fake process group, whose collectives return at once without writing: the agreed values are then this
-rank's own, and every digest this rank's).
+Both run their collectives through a :class:`Collectives` (torch.distributed's; injected into the transform,
+``ShardIntermediates.inject(collectives=...)``, where a test gives its own). They run on the device the group's
+backend needs: the current CUDA device for NCCL, the CPU otherwise (gloo, and torch's fake process group, whose
+collectives return at once without writing: the agreed values are then this rank's own, and every digest this
+rank's).
 """
 
 from __future__ import annotations
@@ -56,24 +58,55 @@ def collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group) -> Agreement:
+class Collectives:
+    """The agreement's collectives over a process group, torch.distributed's: what :func:`agree`, :func:`largest` and
+    :func:`check` send and receive, and nothing else. A test injects its own (a subclass) to plant what the other
+    ranks say."""
+
+    def size(self, group) -> int:
+        return dist.get_world_size(group)
+
+    def ranks(self, group) -> list[int]:
+        return dist.get_process_group_ranks(group)
+
+    def all_reduce_max(self, values: Sequence[int], group) -> list[int]:
+        """Each slot's largest value over the ranks (in place: a fake group leaves this rank's own)."""
+        reduced = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        return reduced.tolist()
+
+    def all_gather_digests(self, digest: bytes, group) -> list[bytes]:
+        """Every rank's digest (all of one size), in rank order (a fake group leaves this rank's everywhere)."""
+        world_size = self.size(group)
+        mine = torch.tensor(list(digest), dtype=torch.uint8, device=collective_device(group))
+        everyone = mine.repeat(world_size)  # what a fake group leaves in place: every rank's digest this rank's
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+        return [bytes(d.tolist()) for d in everyone.view(world_size, -1).cpu()]
+
+    def all_gather_object(self, obj, group) -> list:
+        out: list = [None] * self.size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+
+TORCH_COLLECTIVES = Collectives()
+
+
+def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group,
+          comm: Collectives = TORCH_COLLECTIVES) -> Agreement:
     """The terms and the budget every rank of ``group`` plans with (one all-reduce MAX of :func:`encode`'s vector;
     see :func:`settle`). With one rank, or no group (compaction alone), there is nothing to agree."""
-    if group is None or dist.get_world_size(group) < 2:
+    if group is None or comm.size(group) < 2:
         return Agreement(tuple(terms), budget_bytes, ())
-    reduced = torch.tensor(encode(terms, budget_bytes), dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)  # in place: a fake group leaves this rank's own
-    return settle(terms, budget_bytes, reduced.tolist())
+    return settle(terms, budget_bytes, comm.all_reduce_max(encode(terms, budget_bytes), group))
 
 
-def largest(value: int, group) -> int:
+def largest(value: int, group, comm: Collectives = TORCH_COLLECTIVES) -> int:
     """The largest ``value`` over the ranks of ``group`` (one all-reduce MAX; ``value`` itself with one rank or no
     group): the calibration's reading of the device peak, so that every rank decides alike."""
-    if group is None or dist.get_world_size(group) < 2:
+    if group is None or comm.size(group) < 2:
         return value
-    reduced = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    return int(reduced.item())
+    return int(comm.all_reduce_max([value], group)[0])
 
 
 def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
@@ -155,23 +188,18 @@ def digest(fields: Sequence[tuple[str, str]]) -> bytes:
     return hashlib.sha256("\n".join(f"{k}: {v}" for k, v in fields).encode()).digest()
 
 
-def check(plan: ShardPlan, group, *, verify: bool) -> None:
+def check(plan: ShardPlan, group, *, verify: bool, comm: Collectives = TORCH_COLLECTIVES) -> None:
     """Raises the same error on every rank of ``group`` when the ranks' plans differ in their collectives (one
     all-gather of 32-byte digests; where they differ, one ``all_gather_object`` of the descriptions to name what).
     With one rank there is nothing to compare."""
-    world_size = dist.get_world_size(group)
-    if world_size < 2:
+    if comm.size(group) < 2:
         return
     fields = collectives(plan, verify=verify)
-    mine = torch.tensor(list(digest(fields)), dtype=torch.uint8, device=collective_device(group))
-    everyone = mine.repeat(world_size)  # what a fake group leaves in place: every rank's digest this rank's
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    digests = everyone.view(world_size, -1).cpu()
-    if all(torch.equal(d, digests[0]) for d in digests):
+    digests = comm.all_gather_digests(digest(fields), group)
+    if all(d == digests[0] for d in digests):
         return
-    described: list = [None] * world_size
-    dist.all_gather_object(described, fields, group=group)  # every rank is here: all saw the same digests
-    raise RuntimeError(mismatch_message(described, dist.get_process_group_ranks(group)))
+    described = comm.all_gather_object(fields, group)  # every rank is here: all saw the same digests
+    raise RuntimeError(mismatch_message(described, comm.ranks(group)))
 
 
 def mismatch_message(described: Sequence[Sequence[tuple[str, str]]], ranks: Sequence[int]) -> str:

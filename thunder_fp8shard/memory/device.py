@@ -19,8 +19,8 @@ in ``allocated_bytes`` instead. A workspace that could not be forced (an API thi
 On the CPU (no CUDA tensor among the program's inputs) nothing is measured.
 
 Each rank measures its own device, so the figures differ between ranks; the plan is made with the largest over the
-ranks (:mod:`thunder_fp8shard.distributed.agreement`). The transform calls :func:`measure` through its module's name, which
-is where a test plants figures for a CPU run.
+ranks (:mod:`thunder_fp8shard.distributed.agreement`). The pass reads the device through a :class:`DeviceProbe` (this
+module's functions), which a test replaces with its own to plant figures for a CPU run.
 """
 
 from __future__ import annotations
@@ -162,3 +162,24 @@ def _te_workspace(dev: torch.device) -> object:
         return get_workspace()
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return get_cublas_workspace(int(index), False, False)
+
+
+def peak_allocated(device: str | None) -> int | None:
+    """``torch.cuda.max_memory_allocated`` of ``device`` (None on the CPU)."""
+    if device is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated(torch.device(device))
+
+
+class DeviceProbe:
+    """What the pass reads of the device: what the allocator holds while a program compiles (:func:`measure`, the
+    forward hook), and its peak at the calibration step (:func:`peak_allocated`,
+    :class:`~thunder_fp8shard.runtime.audit.Calibration`). Injected into the transform
+    (``ShardIntermediates.inject(device_probe=...)``): a test gives its own to plant readings on the CPU."""
+
+    def while_compiling(self, trace: TraceCtx, *, transformer_engine: bool,
+                        cublas=("matmul",)) -> DeviceMemory | None:
+        return measure(trace, transformer_engine=transformer_engine, cublas=cublas)
+
+    def peak_allocated(self, device: str | None) -> int | None:
+        return peak_allocated(device)

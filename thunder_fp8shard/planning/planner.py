@@ -71,17 +71,18 @@ def soundness(
 
 
 def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header: ShardPlan,
-              agreed: Sequence[AgreedValue] = ()) -> tuple[ShardPlan, list[str]]:
+              agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
     """The plan of one compilation (pure): ``analysis`` with the memory terms every rank agreed on, ``options`` with
     the agreed budget, ``world_size`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
-    setup facts (an empty :class:`ShardPlan`: integration, shard group, notes), ``agreed`` what was agreed. Returns
+    setup facts (an empty :class:`ShardPlan`: integration, shard group, notes), ``agreed`` what was agreed,
+    ``chooser`` the choice (:func:`choose`; a test injects another, see :class:`thunder_fp8shard.pipeline.Seams`). Returns
     the plan (the choice, its predicted timelines before and after, its byte accounting) and the warnings to give."""
     model = analysis.model
     sound = []
     if analysis.replication is not None:
         sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, world_size,
                           model, set(analysis.saved_names))
-    choice = choose(sound, model, options, world_size)
+    choice = (chooser or choose)(sound, model, options, world_size)
     buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
     before, after = model.evaluate(), model.evaluate(buckets, taken)
     program_before, program_after = model.evaluate(terms=False), model.evaluate(buckets, taken, terms=False)

@@ -43,6 +43,7 @@ import torch
 from thunder.core.proxies import TensorProxy
 
 from thunder_fp8shard.analysis.liveness import span_bytes, storage_of
+from thunder_fp8shard.memory.device import peak_allocated
 from thunder_fp8shard.plan import MEASURED, MemoryTerm, ShardPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -201,22 +202,18 @@ class SavedAudit:
         return f"SavedAudit({len(self.expected)} storages)"
 
 
-def peak_allocated(device: str | None) -> int | None:
-    """``torch.cuda.max_memory_allocated`` of ``device`` (None on the CPU). Tests plant readings here."""
-    if device is None or not torch.cuda.is_available():
-        return None
-    return torch.cuda.max_memory_allocated(torch.device(device))
-
-
 class Calibration:
-    """The backward's check of the device's peak (``fp8shard_calibrate``'s state). ``agree`` takes this rank's
-    reading and returns the largest over the shard group; ``on_miss(error_bytes)`` is called, on every rank alike,
+    """The backward's check of the device's peak (``fp8shard_calibrate``'s state). ``peak(device)`` reads the device's
+    peak (:meth:`~thunder_fp8shard.memory.device.DeviceProbe.peak_allocated`; None on the CPU); ``agree`` takes this
+    rank's reading and returns the largest over the shard group; ``on_miss(error_bytes)`` is called, on every rank alike,
     when the budget is missed; otherwise ``on_done()`` once the calibration is done (it removes both checks from the
     program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). (A plain class: Thunder prints a dataclass constant in the trace field by field.)"""
 
     def __init__(self, plan: ShardPlan, device: str | None, budget_bytes: int | None, agree: Callable[[int], int],
-                 on_miss: Callable[[int], None], audit: SavedAudit, on_done: Callable[[], str | None] | None = None):
+                 on_miss: Callable[[int], None], audit: SavedAudit, on_done: Callable[[], str | None] | None = None,
+                 peak: Callable[[str | None], int | None] = peak_allocated):
         self.plan, self.device, self.budget_bytes, self.agree, self.on_miss = plan, device, budget_bytes, agree, on_miss
+        self.peak = peak
         self.audit, self.on_done, self.calls, self.done = audit, on_done, 0, False
 
     def __call__(self) -> None:
@@ -241,7 +238,7 @@ class Calibration:
 
     def _calibrate(self) -> bool:
         """Reads the device's peak, records it, and replans a missed budget (returns True then)."""
-        mine = peak_allocated(self.device)
+        mine = self.peak(self.device)
         if mine is None:
             return False
         measured = self.agree(mine)
