@@ -73,11 +73,14 @@ _quantizers = [_quantizers_sym(k) for k in range(8)]
 
 
 def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight=False, mode="forward",
-            quantizer_index=1, slice_end=None, batch=4, update=True):
+            quantizer_index=1, slice_end=None, batch=4, update=True, update_before=False, sorted_waits=False,
+            between=None):
     """A forward trace: for each ``(out, in)`` in ``weights`` a parameter shard input (``ceil(out/n)`` rows), its
     all-gather over ``group``, the wait, the unpad slice where ``n`` does not divide ``out`` (``pad=True`` forces
-    one, ``slice_end`` replaces its end), the linear's state and quantizers, the TE linear. Returns the trace and
-    the shard proxies."""
+    one, ``slice_end`` replaces its end), the linear's state and quantizers, the TE linear. ``sorted_waits``: every
+    all-gather at the top (each after its argument's unpack), then the recipe getter, as Thunder's ``sort_waits``
+    leaves them (else each all-gather right before its wait); ``between``: indices of weights whose all-gather is preceded by a compute op (only with
+    ``sorted_waits``). Returns the trace and the shard proxies."""
     trace = TraceCtx()
     body = []
     trace.bound_symbols = body
@@ -85,12 +88,20 @@ def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight
         x = _t("x", (batch, weights[0][1]))
         shards = [_t(f"t_w{i}", (-(-out // n), cols)) for i, (out, cols) in enumerate(weights)]
         trace.args = (x, *shards)
+        futs = {}
+        if sorted_waits:
+            for i, shard in enumerate(shards):
+                if between and i in between:
+                    _sym["use"](x)
+                # as in Thunder's traces, each argument's unpack right before its all-gather
+                body.append(prims.unpack_trivial.bind(shard, name=shard.name, output=shard))
+                futs[i] = _sym["gather"](shard, group, True, None)
         r = _sym["recipe"]()
         saved = []
         h = x
         for i, ((out, cols), shard) in enumerate(zip(weights, shards)):
             rows = shard.shape[0]
-            fut = _sym["gather"](shard, group, True, None)
+            fut = futs[i] if sorted_waits else _sym["gather"](shard, group, True, None)
             full = _t(f"w_full{i}", (rows * n, cols))
             body.append(_sym["wait"].bind(fut, output=full))
             w = full
@@ -98,6 +109,8 @@ def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight
                 w = _sym["slice"](full, [0, 0], [slice_end or out, cols], [1, 1])
             s = _states[i](r, mode, 2)
             qs = _quantizers[i](s, 2)
+            if update_before:
+                _sym["update"](r, states=(s,), tokens=(h,))
             y, qa, qw = _sym["linear"](h, w, None, qs[0], qs[quantizer_index])
             if update:
                 y, qa, qw = _sym["update"](r, states=(s,), tokens=(y, qa, qw))
@@ -138,6 +151,7 @@ def test_padded_weight_is_eligible_through_its_unpad_slice():
     ("input quantizer", dict(quantizer_index=0), "not output 1"),
     ("odd slice", dict(slice_end=60), "other than dropping its padding rows"),
     ("no scale update", dict(update=False), "no te_fp8_amax_and_scale_update of the linear's state follows it"),
+    ("scale update before", dict(update_before=True), "te_fp8_amax_and_scale_update of the linear's state precedes"),
 ])
 def test_refusals_name_their_reason(case, kwargs, reason):
     trace, _ = forward([(64, 32)], **kwargs)
@@ -178,36 +192,100 @@ def test_recipe_check():
     assert exact_recipe(None) == "no FP8 recipe"
 
 
-def test_rewrite_replaces_gather_wait_and_slice_and_keeps_the_linear():
-    trace, shards = forward([(64, 32), (40, 32)], n=3)  # the second is padded
+def _names(trace):
+    return [b.sym.name for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
+
+
+THUNDER_CALLS = {"torch_all_gather_prim_impl", "torch_wait_prim_impl", "torch_slice_prim_impl",
+                 "te_functional_linear_fwd"}
+
+
+@pytest.mark.parametrize("sorted_waits", [False, True], ids=["gathers-apart", "sort_waits"])
+def test_rewrite_replaces_gather_wait_slice_and_linear(sorted_waits):
+    """Each eligible weight's all-gather, wait, unpad slice and TE linear go; a batched start (one per run of adjacent
+    all-gathers) and a fused linear bound to the linear's own outputs come in; the fused linear gets the linear's
+    input, bias, quantizers, the start's handle for its weight, and a spec with the rows, shapes and the linear's
+    Python implementation; the quantizer getters a start needs come before it."""
+    trace, shards = forward([(64, 32), (40, 32)], n=3, sorted_waits=sorted_waits)  # the second is padded
     sites = _sites(trace, n=3)
     assert [s.why for s in sites] == [None, None]
     new = fp8_gather.rewrite(trace, sites, group=GROUP, world_size=3, rank=2, provenance="test")
-    names = [b.sym.name for b in new.bound_symbols if b.sym.id != PrimIDs.DEL]
-    assert not {"torch_all_gather_prim_impl", "torch_wait_prim_impl", "torch_slice_prim_impl"} & set(names), names
-    assert names.count("fp8shard_weight_gather_start") == 2 and names.count("fp8shard_weight_gather_wait") == 2
-    assert names.count("fp8shard_weight_to_columnwise") == 2
+    names = _names(new)
+    assert not THUNDER_CALLS & set(names), names
+    assert names.count("fp8shard_weight_gather_starts") == (1 if sorted_waits else 2)
+    assert names.count("fp8shard_te_linear_fwd") == 2
+    body = [b for b in new.bound_symbols if b.sym.id != PrimIDs.DEL]
+    starts = [b for b in body if b.sym.name == "fp8shard_weight_gather_starts"]
+    handle_of = {h.name: (b, j) for b in starts for j, h in enumerate(b.output)}
     for site in sites:
-        lin = next(b for b in new.bound_symbols if b.sym.name == "te_functional_linear_fwd"
-                   and b.output[0].name == site.linear.output[0].name)
-        i = new.bound_symbols.index(lin)
-        wait = [b for b in new.bound_symbols[:i] if b.sym.name == "fp8shard_weight_gather_wait"][-1]
-        assert wait.output is site.weight and lin.args[1] is site.weight  # the linear reads what the wait returns
-        start = next(b for b in new.bound_symbols if b.sym.name == "fp8shard_weight_gather_start"
-                     and b.output.name == wait.args[0].name)
-        assert start.args[0] is site.shard and start.args[1] is site.linear.args[4]  # the shard, the weight quantizer
-        q_at = new.bound_symbols.index(next(b for b in new.bound_symbols if b is site.quantizers))
-        assert q_at < new.bound_symbols.index(start) < new.bound_symbols.index(wait)
-        after = [b for b in new.bound_symbols[i + 1:] if b.sym.id != PrimIDs.DEL][0]
-        assert after.sym.name == "fp8shard_weight_to_columnwise" and after.args[0] is lin.output[2]
-        spec = wait.args[1]
+        (lin,) = [b for b in body if b.sym.name == "fp8shard_te_linear_fwd" and b.output is site.linear.output]
+        x, h, bias, q_in, q_w, spec = lin.args
+        assert (x, bias, q_in, q_w) == (site.linear.args[0], site.linear.args[2], *site.linear.args[3:5])
+        start, j = handle_of[h.name]
+        assert start.args[0][j] is site.shard and start.args[1][j] is q_w and start.args[3].specs[j] is spec
+        assert body.index(start) < body.index(lin)
+        for g in (site.quantizers, *[b for b in body if b.output is site.quantizers.args[0]]):  # quantizers, state
+            assert body.index(g) < body.index(start), (g.sym.name, names)
         assert (spec.rows, spec.out_features, spec.in_features, spec.rank) == (-(-site.weight.shape[0] // 3),
                                                                               site.weight.shape[0], 32, 2)
-    padded = [b.args[1] for b in new.bound_symbols if b.sym.name == "fp8shard_weight_gather_wait"][1]
-    assert (padded.rows, padded.valid_rows) == (14, 12)  # rank 2 of 3: rows 28..39 of 40
-    assert fp8_gather.operator_calls(new) == {"fp8shard_weight_gather_start": 2, "fp8shard_weight_gather_wait": 2,
-                                              "fp8shard_weight_to_columnwise": 2}
+        assert spec.linear is site.linear._call_ctx["te_functional_linear_fwd"]
+        assert body[body.index(lin) + 1].sym.name == "te_fp8_amax_and_scale_update"  # as after the linear
+    padded = [b.args[5] for b in body if b.sym.name == "fp8shard_te_linear_fwd"][1]
+    assert (padded.rows, padded.valid_rows, padded.padded, padded.trimmed) == (14, 12, True, True)  # rows 28..39 of 40
+    assert fp8_gather.operator_calls(new) == {"fp8shard_weight_gather_starts": 1 if sorted_waits else 2,
+                                              "fp8shard_te_linear_fwd": 2}
     assert new.bound_symbols[-1].sym.id == PrimIDs.RETURN and trace.bound_symbols is not new.bound_symbols
+    assert _names(trace).count("te_functional_linear_fwd") == 2  # the input trace is untouched
+
+
+def test_one_start_call_per_run_of_adjacent_all_gathers():
+    """Thunder's ``sort_waits`` leaves every forward all-gather at the top: one start call serves them all. A compute
+    op between two all-gathers splits the run (the later ones cannot move above it, nor it below them)."""
+    weights = [(64, 32)] * 5
+    trace, _ = forward(weights, sorted_waits=True)
+    new = fp8_gather.rewrite(trace, _sites(trace), group=GROUP, world_size=2, rank=0, provenance="t")
+    (start,) = [b for b in new.bound_symbols if b.sym.name == "fp8shard_weight_gather_starts"]
+    assert [t.name for t in start.args[0]] == [f"t_w{i}" for i in range(5)] and len(start.output) == 5
+    assert len(start.args[3].specs) == 5
+    names = _names(new)
+    # the recipe, state and quantizer getters moved up before the start, in their order; nothing else before it
+    before = [n for n in names[:names.index("fp8shard_weight_gather_starts")] if n != "unpack_trivial"]
+    assert before == ["get_te_fp8_recipe_0"] + [g for i in range(5) for g in (f"get_te_fp8_state_{i}",
+                                                                              f"get_te_fp8_quantizers_{i}")], before
+    split, _ = forward(weights, sorted_waits=True, between={3})
+    new = fp8_gather.rewrite(split, _sites(split), group=GROUP, world_size=2, rank=0, provenance="t")
+    runs = [[t.name for t in b.args[0]] for b in new.bound_symbols if b.sym.name == "fp8shard_weight_gather_starts"]
+    assert runs == [["t_w0", "t_w1", "t_w2"], ["t_w3", "t_w4"]]
+    names = _names(new)
+    first, second = [i for i, name in enumerate(names) if name == "fp8shard_weight_gather_starts"]
+    assert first < names.index("some_torch_op") < second, names
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_run_time_calls_per_weight_fewer_than_thunders(padded):
+    """Per weight gathered in FP8, the forward calls at most one operator plus its share of a batched start, where
+    Thunder called three (all-gather, wait, TE linear) or four (and the unpad slice); the plan counts both."""
+    n_weights, n = 6, 3
+    out = 40 if padded else 48
+    trace, _ = forward([(out, 32)] * n_weights, n=n, sorted_waits=True)
+    thunder = sum(name in THUNDER_CALLS for name in _names(trace))
+    assert thunder == n_weights * (4 if padded else 3)
+
+    class DelayedScaling:
+        reduce_amax = True
+
+    fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
+                         recipe=DelayedScaling(), default_world_size=n, rank=0)
+    new = fg.apply(trace)
+    calls = fp8_gather.operator_calls(new)
+    assert calls == {"fp8shard_weight_gather_starts": 1, "fp8shard_te_linear_fwd": n_weights}
+    assert not THUNDER_CALLS & set(_names(new))
+    assert sum(calls.values()) == n_weights + 1 <= n_weights * 3
+    assert fg.calls_replaced == thunder
+    plan = ShardPlan(world_size=n, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+                     saved_bytes_after=0, forward_gather=list(fg.rows),
+                     forward_gather_calls=(fg.calls_replaced, sum(calls.values())))
+    assert f"run-time calls for them {thunder} -> {n_weights + 1}" in str(plan)
 
 
 def test_spec_refuses_impossible_row_counts():
@@ -299,41 +377,47 @@ _run_syms = {
 
 
 def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
-    """A forward with Thunder's real all-gather and wait (one gloo rank) feeding a stand-in TE linear, rewritten and
-    run as Thunder runs it (its Python program): the operators print and execute, the spec travels as a constant,
-    the handle reaches the wait, and with no FP8 recipe the start operator's bf16 fallback gives the same result as
-    the program before the rewrite."""
+    """A forward with Thunder's real all-gathers and waits (one gloo rank), sorted as ``sort_waits`` sorts them (the
+    all-gathers at the top, then the getters), feeding two stand-in TE linears, rewritten and run as Thunder runs it
+    (its Python program): the operators print and execute, the specs travel as constants, the batched start's
+    handles reach the fused linears, which call the stand-in linear's own implementation; with no FP8 recipe the
+    start's bf16 fallback gives the same result as the program before the rewrite."""
     import dataclasses
 
     import torch
     from thunder.executors.torchex import all_gather_prim_impl, wait_prim_impl
 
-    def computation(x, t_w):
+    def computation(x, t_w0, t_w1):
         pass
 
     trace = TraceCtx(computation)
     with tracectx(trace):
-        x, shard = _t("x", (3, 8), dtypes.float32), _t("t_w", (5, 8), dtypes.float32)
-        trace.args = (x, shard)
-        fut = all_gather_prim_impl(shard, single_rank_group, True, None)
+        x = _t("x", (3, 8), dtypes.float32)
+        shards = _t("t_w0", (5, 8), dtypes.float32), _t("t_w1", (4, 5), dtypes.float32)
+        trace.args = (x, *shards)
+        futs = [all_gather_prim_impl(t, single_rank_group, True, None) for t in shards]
         r = _run_syms["recipe"]()
-        s = _run_syms["state"](r, "forward", 2)
-        q_in, q_w = _run_syms["quantizers"](s, 2)
-        w = wait_prim_impl(fut)
-        y, qa, qw = _run_syms["linear"](x, w, None, q_in, q_w)
-        y, qa, qw = _run_syms["update"](r, states=(s,), tokens=(y, qa, qw))
-        prims.python_return(y, ((qa, qw), (r,)))
-    (site,) = fp8_gather.find_sites(trace, None, group=single_rank_group, world_size=1, default_world_size=1,
-                                    recipe_problem=None)
-    assert site.why.startswith("one rank")
-    new = fp8_gather.rewrite(trace, [dataclasses.replace(site, why=None)], group=single_rank_group, world_size=1,
-                             rank=0, provenance="test")
-    names = [b.sym.name for b in new.bound_symbols]
-    assert "torch_all_gather_prim_impl" not in names and "fp8shard_weight_gather_start" in names, names
-    xs, ws = torch.randn(3, 8), torch.randn(5, 8)
-    want = trace.python_callable()(xs, ws)
-    got = new.python_callable()(xs, ws)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[0], xs @ ws.t()), str(new)
+        h, saved = x, []
+        for fut in futs:
+            s = _run_syms["state"](r, "forward", 2)
+            q_in, q_w = _run_syms["quantizers"](s, 2)
+            w = wait_prim_impl(fut)
+            y, qa, qw = _run_syms["linear"](h, w, None, q_in, q_w)
+            h, qa, qw = _run_syms["update"](r, states=(s,), tokens=(y, qa, qw))
+            saved += [qa, qw]
+        prims.python_return(h, (tuple(saved), (r,)))
+    sites = fp8_gather.find_sites(trace, None, group=single_rank_group, world_size=1, default_world_size=1,
+                                  recipe_problem=None)
+    assert [s.why[:8] for s in sites] == ["one rank"] * 2
+    new = fp8_gather.rewrite(trace, [dataclasses.replace(s, why=None) for s in sites], group=single_rank_group,
+                             world_size=1, rank=0, provenance="test")
+    names = _names(new)
+    assert not THUNDER_CALLS & set(names), names
+    assert names.count("fp8shard_weight_gather_starts") == 1 and names.count("fp8shard_te_linear_fwd") == 2, names
+    xs, ws = torch.randn(3, 8), (torch.randn(5, 8), torch.randn(4, 5))
+    want = trace.python_callable()(xs, *ws)
+    got = new.python_callable()(xs, *ws)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[0], xs @ ws[0].t() @ ws[1].t()), str(new)
 
 
 def test_the_ranks_fingerprint_covers_the_forward_gather_decisions():

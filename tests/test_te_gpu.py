@@ -367,9 +367,11 @@ def _weight_with_extremes(out: int, cols: int, scale: float) -> torch.Tensor:
                          ids=["N2", "N8", "N3-padded"])
 def test_fp8_forward_all_gather_cast_matches_full_cast(out, cols, n):
     """Risks 1-3 of the design (§4.2), through the pass's own operators: each rank's rowwise-only cast of its valid
-    rows (``fp8shard_weight_gather_start``), gathered and made a Float8Tensor (``..._wait``), gives bitwise TE's cast
+    rows (``fp8shard_weight_gather_starts``), gathered and made a Float8Tensor (``fp8_gather_ops.gathered_weight``, the
+    first step of ``fp8shard_te_linear_fwd``), gives bitwise TE's cast
     of the full weight with both usages (today's ``cast_transpose``): the rowwise bytes, the scale-inverse (from the
-    shard's kernel), the amax (the ranks' MAX), and after ``..._to_columnwise`` the transpose (``tex.fp8_transpose``).
+    shard's kernel), the amax (the ranks' MAX), and after the conversion ``fp8shard_te_linear_fwd`` makes after the
+    linear (``fp8_gather_ops.to_columnwise``) the transpose (``tex.fp8_transpose``).
     The padded case (40 rows, 3 ranks of 14) fills the padding rows with NaN and 1e30: they must not enter the amax
     or the bytes."""
     from transformer_engine.common.recipe import DelayedScaling
@@ -396,11 +398,12 @@ def test_fp8_forward_all_gather_cast_matches_full_cast(out, cols, n):
                 shard[valid:, ::2] = 1e30
             q = _fp8_quantizer(scale)
             spec = gops.WeightGatherSpec(group, n, r, rows, valid, out, cols, torch.bfloat16, "w")
-            handles.append(gops._start(shard, q, DelayedScaling(), spec))
+            (handle,) = gops._starts((shard,), (q,), (DelayedScaling(),), gops.GatherBatch([spec]))
+            handles.append(handle)
             quantizers.append(q)
             specs.append(spec)
             assert handles[-1].scale_inv is not None, f"{what}: rank {r} fell back to bf16"
-        gathered = [gops._wait(handles[r], specs[r]) for r in (0, n - 1)]
+        gathered = [gops.gathered_weight(handles[r], specs[r]) for r in (0, n - 1)]
         for r, w8 in zip((0, n - 1), gathered):
             assert type(w8).__name__ == "Float8Tensor" and tuple(w8.shape) == (out, cols), (what, type(w8), w8.shape)
             _assert_same_bytes(w8._data, ref._data, f"{what}, rank {r}: rowwise FP8 bytes")
@@ -409,7 +412,7 @@ def test_fp8_forward_all_gather_cast_matches_full_cast(out, cols, n):
         ref_transpose = ref._transpose.clone()
         ref.update_usage(rowwise_usage=False, columnwise_usage=True)  # what TE does to its own weight after the GEMM
         for r, w8 in zip((0, n - 1), gathered):
-            gops._to_columnwise(w8, w8)
+            gops.to_columnwise(w8, w8)
             assert (w8._data is None) == (ref._data is None), f"{what}: layout after to_columnwise differs from TE's"
             _assert_same_bytes(w8._transpose, ref_transpose, f"{what}, rank {r}: transposed FP8 bytes")
         amaxes = torch.cat([q.amax.reshape(1) for q in quantizers])
@@ -436,14 +439,64 @@ def test_fp8_forward_all_gather_falls_back_to_bf16_at_run_time():
             valid = min(rows, out - r * rows)
             shard[:valid] = w[r * rows : r * rows + valid]
             specs.append(gops.WeightGatherSpec(group, n, r, rows, valid, out, cols, torch.bfloat16, "w"))
-            handles.append(gops._start(shard, q, recipe, specs[-1]))
+            handles.extend(gops._starts((shard,), (q,), (recipe,), gops.GatherBatch(specs[-1:])))
             assert handles[-1].scale_inv is None, f"{type(recipe).__name__}: no fallback"
-        got = gops._wait(handles[0], specs[0])
+        got = gops.gathered_weight(handles[0], specs[0])
         assert got.dtype == torch.bfloat16 and torch.equal(got, w), f"{type(recipe).__name__}: bf16 weight differs"
         assert float(q.amax) == 0.0, "the fallback must not cast"
         te_own = q(w)
-        gops._to_columnwise(te_own, got)  # qw is not w8: nothing to do
+        gops.to_columnwise(te_own, got)  # qw is not w8: nothing to do
         assert te_own._data is not None
+
+
+@pytest.mark.parametrize("out, cols, n", [(256, 128, 2), (40, 128, 3)], ids=["N2", "N3-padded"])
+def test_fp8_forward_all_gather_fused_linear_matches_te(out, cols, n):
+    """``fp8shard_te_linear_fwd`` (wait, Float8Tensor, Thunder's TE linear forward implementation, columnwise
+    conversion in one call), fed by ``fp8shard_weight_gather_starts``, against Thunder's ``te_functional_linear_fwd``
+    on the gathered bf16 weight (TE casts it whole): the output, the quantized input and the quantized weight TE
+    returns for the backward (columnwise only, its transpose and scale-inverse) are bitwise equal, and so are the
+    weight's amax (the ranks' MAX) and the input's; with a recipe that does not qualify, the fallback hands TE the
+    bf16 weight and gives TE's own result."""
+    from thunder.executors.transformer_engineex_impl import _linear_fwd_impl
+    from transformer_engine.common.recipe import DelayedScaling, MXFP8BlockScaling
+
+    from thunder_fp8shard import fp8_gather_ops as gops
+
+    rows, scale = -(-out // n), 2.0 ** -3
+    w = _weight_with_extremes(out, cols, scale)
+    x = torch.randn(16, cols, device="cuda").to(torch.bfloat16)
+    ref_qi, ref_qw = _fp8_quantizer(scale), _fp8_quantizer(scale)
+    ref_y, ref_qa, ref_q = _linear_fwd_impl(x, w, None, ref_qi, ref_qw)
+    assert ref_q._data is None and ref_q._transpose is not None, "TE kept its weight's rowwise bytes"
+    for recipe in (DelayedScaling(), MXFP8BlockScaling()):
+        fp8 = type(recipe) is DelayedScaling
+        group, handles, specs, quantizers = _LocalGroup(), [], [], []
+        for r in range(n):
+            valid = min(rows, out - r * rows)
+            shard = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
+            shard[:valid] = w[r * rows : r * rows + valid]
+            specs.append(gops.WeightGatherSpec(group, n, r, rows, valid, out, cols, torch.bfloat16, "w",
+                                               _linear_fwd_impl))
+            quantizers.append((_fp8_quantizer(scale), _fp8_quantizer(scale)))
+            handles.extend(gops._starts((shard,), (quantizers[-1][1],), (recipe,), gops.GatherBatch(specs[-1:])))
+        for r in (0, n - 1):
+            q_in, q_w = quantizers[r]
+            what = f"N={n} out={out} {type(recipe).__name__}, rank {r}"
+            y, qa, qw = gops._linear(x, handles[r], None, q_in, q_w, specs[r])
+            assert torch.equal(y, ref_y), f"{what}: the linear's output differs"
+            for attr in ("_data", "_transpose"):  # whichever copies TE kept of the quantized input
+                assert (getattr(qa, attr) is None) == (getattr(ref_qa, attr) is None), f"{what}: input {attr}"
+                if getattr(qa, attr) is not None:
+                    _assert_same_bytes(getattr(qa, attr), getattr(ref_qa, attr), f"{what}: quantized input {attr}")
+            assert (qw._data is None) and qw._transpose is not None, f"{what}: the weight is not columnwise-only"
+            _assert_same_bytes(qw._transpose, ref_q._transpose, f"{what}: transposed FP8 weight bytes")
+            assert torch.equal(qw._scale_inv, ref_q._scale_inv), f"{what}: weight scale-inverse"
+            assert torch.equal(q_in.amax.reshape(1), ref_qi.amax.reshape(1)), f"{what}: input amax"
+            if not fp8:
+                assert torch.equal(q_w.amax.reshape(1), ref_qw.amax.reshape(1)), f"{what}: TE's own weight amax"
+        if fp8:
+            amax = torch.cat([q_w.amax.reshape(1) for _, q_w in quantizers]).max().reshape(1)
+            assert torch.equal(amax, ref_qw.amax.reshape(1)), (amax.item(), ref_qw.amax.item())
 
 
 def _run_recording(shard: bool, recipe: str, **options):
@@ -471,8 +524,11 @@ def _assert_all_fp8(plan: dict, what: str):
         f"{what}: the forward-gathered TE weights {sorted(tuple(r['shape']) for r in rows)} are not the model's "
         f"{_te_weight_shapes()}\n{plan['text']}")
     calls = plan["operator_calls"]
-    assert calls.get("fp8shard_weight_gather_start") == calls.get("fp8shard_weight_gather_wait") == calls.get(
-        "fp8shard_weight_to_columnwise") == len(rows), f"{what}: operator calls {calls}"
+    # one fused wait + TE linear a weight; one batched start for all (sort_waits puts every forward all-gather at the
+    # top): len(rows) + 1 calls where Thunder made 3 a weight (all-gather, wait, TE linear; no unpad slice here)
+    assert calls.get("fp8shard_te_linear_fwd") == len(rows), f"{what}: operator calls {calls}"
+    assert calls.get("fp8shard_weight_gather_starts") == 1, f"{what}: operator calls {calls}\n{plan['text']}"
+    assert plan["forward_gather_calls"] == [3 * len(rows), len(rows) + 1], (plan["forward_gather_calls"], calls)
     before, after = plan["forward_gather_bytes"]
     numel = sum(a * b for a, b in _te_weight_shapes())
     assert (before, after) == (numel * 2 // 2, numel // 2), (
@@ -494,9 +550,9 @@ def test_fp8_forward_all_gather_bitwise_two_gloo_ranks(recipe):
     c = _run_recording(True, recipe, fp8_forward_gather=True)
     arms = [("(a) no pass", a)]
     if recipe == "persistent":
-        b = _run_recording(True, recipe)
+        b = _run_recording(True, recipe, fp8_forward_gather=False)
         arms.append(("(b) the pass without fp8_forward_gather", b))
-        assert b[0]["plan"]["forward_gather"] == [], "the option is off by default"
+        assert b[0]["plan"]["forward_gather"] == [], "the option is off in (b)"
         sharded = [[(d["name"], d["shape"], d["sharded"]) for d in run[0]["plan"]["decisions"]] for run in (b, c)]
         assert sharded[0] == sharded[1], f"fp8_forward_gather changed what is sharded: {sharded}"
         for rb, rc in zip(b, c):
@@ -527,7 +583,8 @@ def test_fp8_forward_all_gather_refused_without_reduce_amax():
     rows = c[0]["plan"]["forward_gather"]
     assert rows and all(not r["fp8"] and "reduce_amax=False" in r["reason"] for r in rows), (
         rows, c[0]["plan"]["text"])
-    assert not c[0]["plan"]["operator_calls"].get("fp8shard_weight_gather_start"), c[0]["plan"]["operator_calls"]
+    calls = c[0]["plan"]["operator_calls"]
+    assert not calls.get("fp8shard_weight_gather_starts") and not calls.get("fp8shard_te_linear_fwd"), calls
     bench.assert_bitwise_equal_and_nonzero(a, c, SMALL["steps"])
     te_record.assert_te_records_equal(a, c, "no pass vs fp8_forward_gather refused (reduce_amax=False)")
 
@@ -537,16 +594,19 @@ def test_fp8_forward_all_gather_simulated_n8():
     plan's forward-gather bytes are Σ numel·(N−1)/N in uint8 against twice that in bf16, and the run completes. The
     peaks with and without are reported, not asserted (the memory model still counts these gathers in bf16)."""
     cfg = dict(SMALL, return_grads=False, steps=2)
-    without = run_simulated(bench.run_rank, 8, bench.RunConfig(**cfg, shard=True))
+    without = run_simulated(bench.run_rank, 8, bench.RunConfig(**cfg, shard=True, extra={"fp8_forward_gather": False}))
     with_ = run_simulated(bench.run_rank, 8, bench.RunConfig(**cfg, shard=True, extra={"fp8_forward_gather": True}))
     plan = with_["plan"]
     rows = plan["forward_gather"]
     print("FP8_FORWARD_GATHER_N8_REPORT " + json.dumps({
         "forward_gather_bytes": plan["forward_gather_bytes"], "program_peak_without": without["program_peak_bytes"],
-        "program_peak_with": with_["program_peak_bytes"], "operator_calls": plan["operator_calls"]}))
+        "program_peak_with": with_["program_peak_bytes"], "operator_calls": plan["operator_calls"],
+        "forward_gather_calls": plan["forward_gather_calls"]}))
     bf16 = [(r["weight"], r["reason"]) for r in rows if not r["fp8"]]
     assert rows and not bf16, (bf16, plan["text"])
     assert sorted(tuple(r["shape"]) for r in rows) == _te_weight_shapes(), plan["text"]
     numel = sum(a * b for a, b in _te_weight_shapes())
     assert plan["forward_gather_bytes"] == [numel * 2 * 7 // 8, numel * 7 // 8], plan["forward_gather_bytes"]
+    calls = plan["operator_calls"]
+    assert calls.get("fp8shard_te_linear_fwd") == len(rows) and calls.get("fp8shard_weight_gather_starts") == 1, calls
     assert without["plan"]["forward_gather"] == []

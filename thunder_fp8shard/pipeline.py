@@ -118,5 +118,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     plan.operator_calls = {op: n for op, n in calls.items() if op not in CHECK_NAMES}
     plan.check_calls = {op: calls[op] for op in CHECK_NAMES}
     if fwd_gather.sites:
-        plan.operator_calls.update(fp8_gather.operator_calls(fw_trace))
+        gather_calls = fp8_gather.operator_calls(fw_trace)
+        plan.operator_calls.update(gather_calls)
+        plan.forward_gather_calls = (fwd_gather.calls_replaced, sum(gather_calls.values()))
     return Compiled(plan, fw_trace, new_bw, calibration)

@@ -204,6 +204,10 @@ class ShardPlan:
     no_candidates: str = ""
     # fp8_forward_gather: one row per TE linear weight all-gathered in the forward (empty: option off or no such weight)
     forward_gather: list[ForwardGather] = field(default_factory=list)
+    # fp8_forward_gather: Thunder's run-time calls a forward for the weights gathered in FP8 (all-gather, wait, unpad
+    # slice, TE linear) and the calls that replace them (the pass's batched starts and fused TE linears, also counted
+    # in operator_calls)
+    forward_gather_calls: tuple[int, int] = (0, 0)
 
     @property
     def forward_gather_bytes(self) -> tuple[int, int]:
@@ -368,7 +372,9 @@ class ShardPlan:
         (rb, ra), (cb, ca) = self.forward_gather_bytes, self.forward_cast_elements
         head = (f"forward all-gather of TE linear weights (fp8_forward_gather): "
                 f"{sum(g.fp8 for g in self.forward_gather)} of {len(self.forward_gather)} in FP8; received per rank "
-                f"{fmt_bytes(rb)} -> {fmt_bytes(ra)}, weight elements cast per rank {cb:,} -> {ca:,}")
+                f"{fmt_bytes(rb)} -> {fmt_bytes(ra)}, weight elements cast per rank {cb:,} -> {ca:,}"
+                + (f"; run-time calls for them {self.forward_gather_calls[0]} -> {self.forward_gather_calls[1]}"
+                   if any(self.forward_gather_calls) else ""))
         rows = [(g.weight, "x".join(map(str, g.shape)), "fp8" if g.fp8 else "bf16", f"{g.received_bytes_after:,}",
                  g.reason) for g in self.forward_gather]
         return [head, *table(("weight", "shape", "gathered as", "received bytes", "reason"), rows)]

@@ -5,7 +5,7 @@ Under Thunder FSDP the forward all-gathers each bf16 parameter shard and TE's li
 FP8 on every rank. Where the gathered weight's only use is one ``te_functional_linear_fwd``, this rewrite has each
 rank cast only its own rows and all-gather the FP8 bytes instead (run-time operators in
 :mod:`thunder_fp8shard.fp8_gather_ops`). It is exact (bitwise today's FP8 bytes, scale-inverse, amax history and
-scales) under the conditions :func:`decide` checks; a weight failing one keeps its bf16 gather and the plan says
+scales) under the conditions :func:`find_sites` checks; a weight failing one keeps its bf16 gather and the plan says
 why:
 
 * the recipe is DelayedScaling with ``reduce_amax=True`` (the cast is elementwise with a per-tensor scale fixed
@@ -13,11 +13,16 @@ why:
   scale update), and FSDP's group spans the default group;
 * the pattern is exactly ``all_gather(trace input, FSDP's group) -> wait [-> slice of dim-0 rows] -> TE linear's
   weight``, with no other use of the gathered weight (nor saved, nor returned), and the weight quantizer comes
-  from the linear's own forward state;
+  from the linear's own forward state, whose scale update follows the linear and none precedes it;
 * no TE forward is recomputed in the backward (activation checkpointing);
 * every rank holds at least one valid row (padding rows, uninitialized memory, are left out of the cast).
 
-:func:`decide` is pure over the traces (the plan's rows); :func:`rewrite` applies the decisions mechanically.
+:func:`find_sites`/:func:`decisions` are pure over the traces (the plan's rows); :func:`rewrite` applies the decisions
+mechanically: per run of adjacent all-gathers one batched start, per weight one fused wait + TE linear forward, so
+the forward makes about one run-time call a weight where Thunder made three (the forward is bound by its host issue
+time). Casting where the all-gathers start (the top of the forward) instead of inside the linear is exact because
+the weight's scale only changes in its own state's ``te_fp8_amax_and_scale_update``, which the eligibility requires
+to come after the linear and nowhere before it in the forward (the previous change was in the previous step).
 """
 
 from __future__ import annotations
@@ -107,6 +112,11 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     position = {id(b): i for i, b in enumerate(body)}
     updated_at = {p.name: i for i, b in enumerate(body) if _name(b).startswith(TE_SCALE_UPDATE)
                   for p in b.flat_proxy_args}  # each proxy (a TE state among them): its last scale update
+    first_update = {}
+    for i, b in enumerate(body):
+        if _name(b).startswith(TE_SCALE_UPDATE):
+            for p in b.flat_proxy_args:
+                first_update.setdefault(p.name, i)
     sites = []
     for lin in body:
         if not _name(lin).startswith(TE_LINEAR_FWD):
@@ -139,13 +149,16 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
                 group=group, world_size=world_size, default_world_size=default_world_size,
                 recipe_problem=recipe_problem, recomputed=recomputed,
                 updated_after=updated_at.get(getattr(qb.args[0], "name", None), -1) > position[id(lin)]
+                if qb is not None and qb.args else False,
+                updated_before=first_update.get(getattr(qb.args[0], "name", None), len(body)) < position[id(lin)]
                 if qb is not None and qb.args else False)
         sites.append(Site(lin, gather, wait, sl, qb, shard if isinstance(shard, TensorProxy) else None, w, why))
     return sites
 
 
 def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, quantizers, q_w, producer, uses,
-                   returned, inputs, group, world_size, default_world_size, recipe_problem, recomputed, updated_after):
+                   returned, inputs, group, world_size, default_world_size, recipe_problem, recomputed, updated_after,
+                   updated_before):
     if world_size < 2:
         return "one rank: nothing is gathered"
     if recipe_problem is not None:
@@ -184,6 +197,14 @@ def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, qua
     sb = producer.get(getattr(state, "name", None))
     if sb is None or not _name(sb).startswith(TE_STATE) or tuple(sb.args[1:3]) != ("forward", 2):
         return "the weight quantizer does not come from a forward TE state"
+    if updated_before:
+        return ("a te_fp8_amax_and_scale_update of the linear's state precedes it in the forward: casting the weight "
+                "where its all-gather starts could use another scale than the linear would")
+    if len(linear.args) != 5 or linear.kwargs:
+        return "the TE linear forward's arguments are not (input, weight, bias, input quantizer, weight quantizer)"
+    ctx = getattr(linear, "_call_ctx", None) or {}
+    if not (ctx.get(linear.sym.name) or len(ctx) == 1):
+        return "the TE linear forward has no Python implementation for the fused operator to call"
     if not updated_after:
         return ("no te_fp8_amax_and_scale_update of the linear's state follows it in the forward: the shards' amaxes "
                 "would not be all-reduced before a scale update")
@@ -220,45 +241,135 @@ def _valid_rows(out: int, rows: int, rank: int) -> int:
     return max(0, min(rows, out - rank * rows))
 
 
+def _calls_replaced(site: Site) -> int:
+    """Thunder's run-time calls for one eligible weight that the rewrite removes: all-gather, wait, the unpad slice
+    where padded, the TE linear forward."""
+    return 3 + (site.slice is not None)
+
+
+HOISTABLE = ("get_te_fp8_recipe", TE_STATE, TE_QUANTIZERS)  # TE's getters: no tensor input, order-independent
+
+
+def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> list[BoundSymbol] | None:
+    """The bound symbols the weight quantizer comes from (its quantizers, state and recipe getters, and theirs), or
+    None where one of them is not a TE getter (then they cannot be moved up)."""
+    out, todo, seen = [], [site.quantizers], set()
+    while todo:
+        b = todo.pop()
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        if not _name(b).startswith(HOISTABLE):
+            return None
+        out.append(b)
+        for p in b.flat_proxy_args:
+            if p.name in inputs:
+                continue
+            if p.name not in producer:
+                return None
+            todo.append(producer[p.name])
+    return out
+
+
+def batches(fw: TraceCtx, sites: Sequence[Site]) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
+    """Where the eligible sites' starts go, as ``(index, sites, getters)``: one ``fp8shard_weight_gather_starts``
+    call per run of adjacent forward all-gathers (only other all-gathers, argument unpacks, comments and dels
+    between them; Thunder's ``sort_waits`` makes one run of all the forward's), placed right after the run's last
+    eligible all-gather (an index into ``fw``'s bound symbols without dels), preceded by the getters of the run's
+    weight quantizers that stood later in the trace (``getters``, moved up in their order: TE's recipe, state and
+    quantizer getters take no tensor and their only side effect, creating a state, does not depend on when). A site
+    whose quantizer comes from anything else starts alone right after the later of its all-gather and its
+    quantizer getter."""
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    index = {id(b): i for i, b in enumerate(body)}
+    producer = {o.name: b for b in body for o in _outs(b)}
+    inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if hasattr(p, "name")}
+    chosen = sorted((s for s in sites if s.why is None), key=lambda s: index[id(s.gather)])
+    passable = {ALL_GATHER}
+    runs: list[list[Site]] = []
+    alone: list[Site] = []
+    last = None
+    for s in chosen:
+        getters = _getters(s, producer, inputs)
+        if getters is None:
+            alone.append(s)
+            continue
+        i = index[id(s.gather)]
+        if last is not None and all(_name(b) in passable or b.sym.id in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.COMMENT)
+                                    for b in body[last + 1:i]):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+        last = i
+    out = []
+    moved: set[int] = set()
+    for run in runs:
+        at = max(index[id(s.gather)] for s in run)
+        getters = []
+        for s in run:
+            for g in _getters(s, producer, inputs):
+                if index[id(g)] > at and id(g) not in moved:
+                    moved.add(id(g))
+                    getters.append(g)
+        out.append((at, run, sorted(getters, key=lambda g: index[id(g)])))
+    for s in alone:
+        out.append((max(index[id(s.gather)], index[id(s.quantizers)]), [s], []))
+    return sorted(out, key=lambda x: x[0])
+
+
 def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank: int, provenance: str) -> TraceCtx:
-    """``fw`` with each eligible site's all-gather, wait and slice replaced by ``fp8shard_weight_gather_start``
-    (after the later of the all-gather and the linear's quantizer getter), ``fp8shard_weight_gather_wait`` (right
-    before the linear; it binds the linear's weight proxy, so the linear is unchanged) and
-    ``fp8shard_weight_to_columnwise`` (right after the linear). Dels are regenerated; ``fw`` is not modified."""
+    """``fw`` with each eligible site's all-gather, wait, slice and TE linear forward replaced by two operators:
+    ``fp8shard_weight_gather_starts``, one call per run of adjacent all-gathers (:func:`batches`, which also moves
+    the quantizer getters it needs up before it), and ``fp8shard_te_linear_fwd`` where the linear was, bound to the
+    linear's outputs (the rest of the trace is unchanged). Dels are regenerated; ``fw`` is not modified."""
     from thunder.executors.passes import del_last_used
 
-    chosen = [s for s in sites if s.why is None]
-    if not chosen:
+    plan = batches(fw, sites)
+    if not plan:
         return fw
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     index = {id(b): i for i, b in enumerate(body)}
-    gone = {id(b) for s in chosen for b in (s.gather, s.wait, s.slice) if b is not None}
+    gone = {id(b) for _, run, getters in plan for s in run for b in (s.gather, s.wait, s.slice, *getters)
+            if b is not None}
     after: dict[int, list[BoundSymbol]] = {}
-    before: dict[int, list[BoundSymbol]] = {}
+    replace: dict[int, BoundSymbol] = {}
     new = from_trace(fw)
     with tracectx(new):
-        for s in chosen:
-            shard, w = s.shard, s.weight
-            rows, out = int(shard.shape[0]), int(w.shape[0])
-            spec = gops.WeightGatherSpec(group, world_size, rank, rows, _valid_rows(out, rows, rank), out,
-                                         int(w.shape[1]), _torch_dtype(w.dtype), shard.name)
-            q_w = s.linear.args[4]
-            state = s.quantizers.args[0]
-            recipe = _producer_arg0(body, state)
+        for at, run, getters in plan:
+            specs = []
+            for s in run:
+                shard, w = s.shard, s.weight
+                rows, out = int(shard.shape[0]), int(w.shape[0])
+                specs.append(gops.WeightGatherSpec(group, world_size, rank, rows, _valid_rows(out, rows, rank), out,
+                                                   int(w.shape[1]), _torch_dtype(w.dtype), shard.name,
+                                                   _implementation(s.linear)))
+            batch = gops.GatherBatch(specs)
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            handle = gops.weight_gather_start(shard, q_w, recipe, spec)
+            handles = gops.weight_gather_starts(tuple(s.shard for s in run), tuple(s.linear.args[4] for s in run),
+                                                tuple(_producer_arg0(body, s.quantizers.args[0]) for s in run), batch)
             new.pop_scope()
-            at = max(index[id(s.gather)], index[id(s.quantizers)])
-            after.setdefault(at, []).extend(scope)
-            before.setdefault(index[id(s.linear)], []).append(gops.weight_gather_wait.bind(handle, spec, output=w))
-            qw = _outs(s.linear)[2]
-            after.setdefault(index[id(s.linear)], []).append(gops.weight_to_columnwise.bind(qw, w, output=None))
+            after.setdefault(at, []).extend([*getters, *scope])
+            for s, h, spec in zip(run, handles, specs):
+                x, _, bias, q_in, q_w = s.linear.args[:5]
+                replace[index[id(s.linear)]] = gops.te_linear_fwd.bind(x, h, bias, q_in, q_w, spec,
+                                                                       output=s.linear.output)
     new.bound_symbols = [x for i, b in enumerate(body)
-                         for x in (*before.get(i, ()), *(() if id(b) in gone else (b,)), *after.get(i, ()))]
+                         for x in ((replace[i],) if i in replace else () if id(b) in gone else (b,))
+                         + tuple(after.get(i, ()))]
     out = del_last_used(new)
     out.set_provenance(TraceProvenance(provenance))
     return out
+
+
+def _implementation(linear: BoundSymbol):
+    """The Python function a TE linear forward bound symbol runs (Thunder's ``_linear_fwd_impl``, which looks TE's
+    ``BasicLinear._functional_forward`` up at each call)."""
+    ctx = getattr(linear, "_call_ctx", None) or {}
+    fn = ctx.get(linear.sym.name) or (next(iter(ctx.values())) if len(ctx) == 1 else None)
+    if fn is None:
+        raise ValueError(f"{linear.sym.name} has no Python implementation to call")
+    return fn
 
 
 def _producer_arg0(body: Sequence[BoundSymbol], state) -> object:
@@ -300,6 +411,12 @@ class ForwardGatherPlan:
     group: object = None
     world_size: int = 1
     rank: int = 0
+
+    @property
+    def calls_replaced(self) -> int:
+        """Thunder's run-time calls the rewrite removes a forward (all-gather, wait, unpad slice, TE linear of each
+        weight gathered in FP8)."""
+        return sum(_calls_replaced(s) for s in self.sites if s.why is None)
 
     def apply(self, fw: TraceCtx, provenance: str = "ShardIntermediates: fp8_forward_gather") -> TraceCtx:
         n = sum(s.why is None for s in self.sites)

@@ -280,6 +280,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             # fp8_forward_gather's rows (empty with the option off)
             "forward_gather": [{**asdict(g), "shape": list(g.shape)} for g in plan.forward_gather],
             "forward_gather_bytes": list(plan.forward_gather_bytes),
+            "forward_gather_calls": list(plan.forward_gather_calls),
         }
         if rank == 0:
             print(plan, flush=True)

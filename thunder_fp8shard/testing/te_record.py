@@ -8,7 +8,8 @@ Recorded, per rank, in call order:
   its ``amax_history`` and ``scale`` (the MAX-all-reduced history holds every step's amax; the scale is the last
   update's);
 * each TE linear forward (``BasicLinear._functional_forward``, wrapped: Thunder's TE executor looks it up at each
-  call): the weight's FP8 rowwise bytes as TE used them for the GEMM (``_data``; where TE already dropped it,
+  call, and so does ``fp8_forward_gather``'s ``fp8shard_te_linear_fwd``, which calls Thunder's implementation):
+  the weight's FP8 rowwise bytes as TE used them for the GEMM (``_data``; where TE already dropped it,
   ``_transpose`` transposed back), digested, its ``_scale_inv`` (hex) and shape;
 * each TE linear backward (``_functional_backward``): the weight's ``_transpose`` (or ``_data``) as TE receives it,
   digested, and its ``_scale_inv``.
