@@ -26,7 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from thunder_fp8shard import ops
+    from thunder_fp8shard.runtime import ops
 
     qkv = torch.randn(1, 4, 8, 3, 16)  # (batch, groups, seq, q/k/v, head dim): v is a strided view of it
     v = qkv[:, :, :, 2].transpose(1, 2)
@@ -38,14 +38,14 @@ def main() -> None:
     rows["fp8shard_compact, 4 views"] = per_call_us(lambda: compact(views, *extra), args.repeat)
     rows["torch.empty_like + copy_, 1 view (floor)"] = per_call_us(lambda: torch.empty_like(v).copy_(v), args.repeat)
     if hasattr(ops, "_audit"):
-        from thunder_fp8shard.audit import SavedAudit
+        from thunder_fp8shard.runtime.audit import SavedAudit
 
         a = SavedAudit(None, [], [])
         a.done, a.counting = True, False
         audit = ops._audit
         rows["fp8shard_audit, done"] = per_call_us(lambda: audit((v,), a), args.repeat)
     if hasattr(ops, "_calibrate"):
-        from thunder_fp8shard.audit import Calibration
+        from thunder_fp8shard.runtime.audit import Calibration
 
         c = Calibration(None, None, None, None, None, a)
         c.done = True

@@ -12,9 +12,10 @@ their proxy names (Thunder names proxies deterministically in a fresh process). 
     cmp /tmp/before.json /tmp/after.json
 
 Where the test models themselves changed (the way they are written, not what they compute), the proxy names and the
-source lines the traces quote change too: ``--compare before.json after.json`` compares the configurations with
-those renamed in order of appearance and the quoted source left out (:func:`same_behaviour`), and exits non-zero
-where one differs.
+source lines the traces quote change too, and where the pass's modules moved, the names the traces give the pass's
+objects (``_thunder_fp8shard_runtime_ops_ShardSpec_4``: module path, class, counter): ``--compare before.json
+after.json`` compares the configurations with proxy names renamed in order of appearance, the quoted source and
+those module paths left out (:func:`same_behaviour`), and exits non-zero where one differs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ LLAMA = [("toy-llama-zero3-cat", 2, {"setup": "zero3"}), ("toy-llama-fsdp2-cat",
 
 
 def _plan_record(plan) -> dict:
-    from thunder_fp8shard.agreement import collectives
+    from thunder_fp8shard.distributed.agreement import collectives
 
     return {
         "collectives": collectives(plan, verify=False),
@@ -101,6 +102,9 @@ def llama_fingerprint(rank, world_size, fields):
 
 # the names a trace gives proxies and parameters (renamed by order of appearance when comparing)
 NAMES = re.compile(r"\b(?:(?:t|restore|gather|ft)\d+|t_[A-Za-z0-9_]+|weight|w|x|eps)\b")
+# the trace's name of one of the pass's objects: its module's path, its class and a counter
+# (``_thunder_fp8shard_runtime_ops_ShardSpec_4``); the module's path is left out when comparing
+CONSTANT = re.compile(r"\b_thunder_fp8shard_\w*?_([A-Z][A-Za-z0-9]*_\d+)\b")
 
 
 def _renamed(text: str, names: dict) -> str:
@@ -108,11 +112,12 @@ def _renamed(text: str, names: dict) -> str:
 
 
 def normalized(record: dict) -> tuple[list[str], str]:
-    """A configuration's traces (their lines without the source lines they quote) and plans, names renamed in order
-    of appearance (traces first, then the plans, with the same renaming)."""
+    """A configuration's traces (their lines without the source lines they quote, the pass's objects without their
+    module's path) and plans, names renamed in order of appearance (traces first, then the plans, with the same
+    renaming)."""
     names: dict = {}
-    lines = [_renamed(re.sub(r"\s+# .*$", "", line), names) for t in record["traces"] for line in t.splitlines()
-             if not line.strip().startswith("#")]
+    lines = [_renamed(CONSTANT.sub(r"_thunder_fp8shard_\1", re.sub(r"\s+# .*$", "", line)), names)
+             for t in record["traces"] for line in t.splitlines() if not line.strip().startswith("#")]
     return lines, _renamed(json.dumps(record["plans"], sort_keys=True), names)
 
 

@@ -1,4 +1,4 @@
-"""Every rank compiles the same plan (thunder_fp8shard.agreement), its pure parts in this process: what the ranks'
+"""Every rank compiles the same plan (thunder_fp8shard.distributed.agreement), its pure parts in this process: what the ranks'
 memory terms and budget are agreed to (the element-wise maximum of every rank's slots, one length on every rank),
 the digest of a plan's collectives and the message naming what differs; and agree/check under torch's fake process
 group. On real gloo ranks: tests/test_agreement_on_ranks.py."""
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from thunder_fp8shard.agreement import ABSENT, MAX_TERMS, collectives, digest, encode, mismatch_message, settle
+from thunder_fp8shard.distributed.agreement import ABSENT, MAX_TERMS, collectives, digest, encode, mismatch_message, settle
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, Bucket, Decision, MemoryTerm, ShardPlan
 
 MB200 = 200 << 20
@@ -119,7 +119,7 @@ FAKE_GROUP = textwrap.dedent("""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import test_agreement as t
-    from thunder_fp8shard.agreement import agree, check
+    from thunder_fp8shard.distributed.agreement import agree, check
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     terms = t._terms(7, 100, 8)

@@ -1,4 +1,4 @@
-"""Every rank compiles the same plan (thunder_fp8shard.agreement), on real gloo ranks: the plan's per-rank inputs are
+"""Every rank compiles the same plan (thunder_fp8shard.distributed.agreement), on real gloo ranks: the plan's per-rank inputs are
 agreed before planning, and a plan whose collectives differ between ranks raises the same error on every rank before
 any of them runs. (The pure parts and the fake process group: tests/test_agreement.py.)
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_fp8shard.agreement import collectives
+from thunder_fp8shard.distributed.agreement import collectives
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
@@ -25,25 +25,27 @@ MB200 = 200 << 20
 BASE = dict(widths=WIDTHS, batch_sizes=(3,), no_grad_call=False)
 
 
-def _planted_measure(rank):
+def _planted_probe(rank):
     """What a rank's device would say while compiling: rank r holds r x 200 MB and a cuBLAS workspace of 1 << (10 + r)
     bytes, and every rank but the first could not force a TE GEMM workspace (one more memory term there: unknown);
-    on the CPU nothing is measured, so the test plants it where the transform reads it."""
-    from thunder_fp8shard.device_memory import DeviceMemory
+    on the CPU nothing is measured, so the test injects the device probe the transform reads."""
+    from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 
-    def measure(trace, *, transformer_engine, cublas=True):
-        failed = (("TransformerEngine GEMM", "planted: CUDA out of memory"),) if rank else ()
-        return DeviceMemory("cpu", rank * MB200, (("cuBLAS", 1 << (10 + rank)),), failed)
+    class Planted(DeviceProbe):
+        def while_compiling(self, trace, *, transformer_engine, cublas=True):
+            failed = (("TransformerEngine GEMM", "planted: CUDA out of memory"),) if rank else ()
+            return DeviceMemory("cpu", rank * MB200, (("cuBLAS", 1 << (10 + rank)),), failed)
 
-    return measure
+    return Planted()
 
 
-def _drop_last_bucket_on_the_last_rank(rank, world_size, choose):
-    """A plan that differs after agreement: the last rank leaves out its last bucket."""
+def _drop_last_bucket_on_the_last_rank(rank, world_size):
+    """A plan that differs after agreement: the last rank leaves out its last bucket (the planner's choice, injected)."""
+    from dataclasses import replace
+
+    from thunder_fp8shard.planning.planner import choose
 
     def perturbed(*args, **kwargs):
-        from dataclasses import replace
-
         choice = choose(*args, **kwargs)
         return replace(choice, buckets=choice.buckets[:-1]) if rank == world_size - 1 else choice
 
@@ -53,28 +55,23 @@ def _drop_last_bucket_on_the_last_rank(rank, world_size, choose):
 def run_scenarios(rank, world_size, scenarios):
     """Each scenario on this rank: ``(baseline, with the pass)``, or, for a planted plan mismatch, the error's text.
     The scenarios differ only in the pass's options, so one run without the pass is every scenario's baseline.
-    Seams are planted for their scenario only."""
-    import thunder_fp8shard.planner as planner
-    import thunder_fp8shard.transform as transform
+    Seams are injected into their scenario's pass only."""
+    from dataclasses import replace
 
     baseline = train(rank, world_size, RunConfig(**BASE, use_pass=False))
     out = {}
     for name, plant, cfg in scenarios:
-        saved = transform.measure, planner.choose
-        try:
-            if plant == "measured":
-                transform.measure = _planted_measure(rank)
-            if plant == "mismatch":  # make_plan asks planner.choose
-                planner.choose = _drop_last_bucket_on_the_last_rank(rank, world_size, planner.choose)
-                try:
-                    train(rank, world_size, cfg)
-                    out[name] = "no error"
-                except RuntimeError as e:
-                    out[name] = str(e)
-            else:
-                out[name] = (baseline, train(rank, world_size, cfg))
-        finally:
-            transform.measure, planner.choose = saved
+        if plant == "measured":
+            cfg = replace(cfg, seams={"device_probe": _planted_probe(rank)})
+        if plant == "mismatch":  # make_plan asks the injected chooser
+            cfg = replace(cfg, seams={"chooser": _drop_last_bucket_on_the_last_rank(rank, world_size)})
+            try:
+                train(rank, world_size, cfg)
+                out[name] = "no error"
+            except RuntimeError as e:
+                out[name] = str(e)
+        else:
+            out[name] = (baseline, train(rank, world_size, cfg))
     return out
 
 

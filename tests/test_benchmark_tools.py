@@ -89,7 +89,7 @@ import linecache  # noqa: E402
 
 import plan_accuracy as acc  # noqa: E402
 
-from thunder_fp8shard.liveness import Life, Step, timeline  # noqa: E402
+from thunder_fp8shard.analysis.liveness import Life, Step, timeline  # noqa: E402
 from thunder_fp8shard.plan import MODELLED, MemoryTerm, ShardPlan  # noqa: E402
 
 
@@ -239,7 +239,8 @@ def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
-    from thunder_fp8shard import ShardIntermediates, ops
+    from thunder_fp8shard import ShardIntermediates
+    from thunder_fp8shard.runtime import ops
 
     other = revisions.import_revision("HEAD", str(tmp_path))
     assert other.__name__ == "thunder_fp8shard_rev" and other.ShardIntermediates is not ShardIntermediates

@@ -2,7 +2,7 @@
 
 import pytest
 
-from thunder_fp8shard.layout import ALIGN, bucket_layout
+from thunder_fp8shard.planning.layout import ALIGN, bucket_layout
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])

@@ -1,8 +1,8 @@
 """A budget the device keeps (``policy="budget"``): the plan aims at the budget less its margin, and when the device's
 peak, read at the calibration step, is over the budget, every rank warns alike and the next call is planned again
-with the error as a measured term. On the CPU nothing reads a device peak: the rank plants the reading
-(``thunder_fp8shard.audit.peak_allocated``), higher on one rank than on the other, as a device fuller than the model
-would read."""
+with the error as a measured term. On the CPU nothing reads a device peak: the rank injects a device probe that
+plants the reading (``DeviceProbe.peak_allocated``), higher on one rank than on the other, as a device fuller than
+the model would read."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from thunder_fp8shard.planner import BUDGET_MARGIN, budget_target
+from thunder_fp8shard.planning.planner import BUDGET_MARGIN, budget_target
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
 WIDTHS = (25, 61, 47, 7)
@@ -29,15 +29,20 @@ def test_budget_target_is_the_budget_less_its_margin():
 def planted_peak_run(rank, world_size):
     """On this rank: a plan of every candidate (its predicted peaks before and after), a budget between them, and a
     budget run whose calibration reads a planted device peak over the budget (more on rank 1); and the baseline."""
-    import thunder_fp8shard.audit as audit
+    from thunder_fp8shard.memory.device import DeviceProbe
 
     every = train(rank, world_size, replace(BASE, batch_sizes=(3,)))
     p0, p_all = every.plans[0].peak_bytes_before, every.plans[0].peak_bytes_after
     budget = int((p0 + p_all) / 2 / (1 - BUDGET_MARGIN))  # its target is halfway between no sharding and all
     over = (p0 - p_all) // 2  # the planted excess: the device peaks this far over the budget
     planted = budget + over if rank == 1 else budget - 1
-    audit.peak_allocated = lambda device: planted
-    cfg = replace(BASE, options={**BASE.options, "policy": "budget", "budget_bytes": budget})
+
+    class Planted(DeviceProbe):
+        def peak_allocated(self, device):
+            return planted
+
+    cfg = replace(BASE, options={**BASE.options, "policy": "budget", "budget_bytes": budget},
+                  seams={"device_probe": Planted()})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         budgeted = train(rank, world_size, cfg)

@@ -1,10 +1,10 @@
-"""Candidate discovery (thunder_fp8shard.candidates) on a real Thunder FSDP ZeRO-3 trace: which saved tensors the
+"""Candidate discovery (thunder_fp8shard.analysis.candidates) on a real Thunder FSDP ZeRO-3 trace: which saved tensors the
 pass considers, by ``candidates="fp8"`` or ``"all"``."""
 
 from thunder.core import dtypes
 
-from thunder_fp8shard.candidates import FLOAT8, TENSOR, find_candidates, te_quantized_names
-from thunder_fp8shard.saved import forward_saved
+from thunder_fp8shard.analysis.candidates import FLOAT8, TENSOR, find_candidates, te_quantized_names
+from thunder_fp8shard.analysis.saved import forward_saved
 
 WEIGHT_SHAPES = {(64, 24), (45, 64), (7, 45)}  # FakeFP8MLP((24, 64, 45, 7))
 ACTIVATION_SHAPES = {(3, 24), (3, 64), (3, 45)}  # its inputs per layer, batch 3

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thunder_fp8shard.aliasing import is_torch_compile_region, region_aliasing
+from thunder_fp8shard.analysis.aliasing import is_torch_compile_region, region_aliasing
 from thunder_fp8shard.testing.measure import saved_bytes
 from thunder_fp8shard.testing.toy_models import FakeFP8Llama
 
@@ -60,7 +60,7 @@ def test_the_region_returns_v_as_a_view_of_qkv_and_the_model_counts_qkv(runs):
     views = {out: inp for b in regions for out, inp in region_aliasing(b).views_of.items()}
     assert len(views) == 1, views  # v, a view of the region's input qkv
     (v, qkv), = views.items()
-    from thunder_fp8shard.liveness import storage_lives, storage_of
+    from thunder_fp8shard.analysis.liveness import storage_lives, storage_of
 
     life = storage_of(storage_lives(fw, entry.backward_traces[-1]))[v]
     assert life.name == qkv and life.nbytes == QKV_BYTES and v in life.members
@@ -93,7 +93,7 @@ def test_compact_saved_views_alone_copies_v_and_is_bitwise_exact(runs):
 
 
 def test_compaction_keeps_the_views_dimension_order():
-    from thunder_fp8shard import ops
+    from thunder_fp8shard.runtime import ops
 
     qkv = torch.randn(2, 32, 3 * 64)
     v = qkv[..., 128:].view(2, 32, 4, 16).transpose(1, 2)

@@ -1,4 +1,4 @@
-"""What the pass reads from the device while compiling (thunder_fp8shard.device_memory), on the CPU: the CUDA
+"""What the pass reads from the device while compiling (thunder_fp8shard.memory.device), on the CPU: the CUDA
 allocator is replaced by a counter and TransformerEngine by stand-in modules of each API generation, so forcing the
 TE GEMM workspace is checked for every outcome: created, already there, an API it does not know (never 0 B)."""
 
@@ -15,10 +15,10 @@ from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_fp8shard import device_memory
-from thunder_fp8shard.device_memory import DeviceMemory, measure
+from thunder_fp8shard.memory import device as device_memory
+from thunder_fp8shard.memory.device import DeviceMemory, measure
 from thunder_fp8shard.plan import UNKNOWN
-from thunder_fp8shard.resident import workspaces_not_forced
+from thunder_fp8shard.memory.resident import workspaces_not_forced
 
 TE_WORKSPACE = 32 * 1024 * 1024 + 1024  # TE >= 2.10 on compute capability >= 9.0
 TE_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.cpp_extensions",
@@ -139,7 +139,7 @@ def test_the_cublas_workspaces_forced_are_measured_then_released(allocator, monk
 
 
 def test_the_gemms_that_are_not_transformer_engines_are_found_inside_fusion_regions_too():
-    from thunder_fp8shard.device_memory import cublas_gemms
+    from thunder_fp8shard.memory.device import cublas_gemms
 
     def bsym(name, subsymbols=(), fusion=False):
         return types.SimpleNamespace(sym=types.SimpleNamespace(name=name, is_fusion=fusion), subsymbols=subsymbols)

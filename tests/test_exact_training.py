@@ -32,7 +32,7 @@ def _check_copies_sharded_unless_raising(plan, shapes, dtype=None):
     """Every replicated copy of these shapes (and dtype) is sharded, but for those that would raise the predicted
     peak (policy "all" never does: under gloo a copy gathered back at the peak, with gloo's temporary of its size,
     can), and the peak does not rise."""
-    from thunder_fp8shard.planner import RAISES
+    from thunder_fp8shard.planning.planner import RAISES
 
     copies = [d for d in plan.decisions if d.replicated and d.shape in shapes and (dtype is None or d.dtype == dtype)]
     assert {d.shape for d in copies} == set(shapes)

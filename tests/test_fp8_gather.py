@@ -14,8 +14,8 @@ from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 from thunder.extend import OperatorExecutor
 
-from thunder_fp8shard import fp8_gather
-from thunder_fp8shard.fp8_gather_ops import WeightGatherSpec, exact_recipe
+from thunder_fp8shard.rewrite import fp8_gather
+from thunder_fp8shard.runtime.fp8_gather_ops import WeightGatherSpec, exact_recipe
 from thunder_fp8shard.plan import ShardPlan
 
 _fake = OperatorExecutor("fp8shard_test_fake_fsdp_te")
@@ -423,7 +423,7 @@ def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
 def test_the_ranks_fingerprint_covers_the_forward_gather_decisions():
     """A weight gathered in FP8 on one rank and in bf16 on another would hang the forward: the collectives the ranks
     compare before the rewrite (thunder_fp8shard.agreement) include each row's shape and choice."""
-    from thunder_fp8shard.agreement import collectives
+    from thunder_fp8shard.distributed.agreement import collectives
     from thunder_fp8shard.plan import ForwardGather
 
     def plan(fp8):

@@ -20,11 +20,11 @@ def _plant_state(rank, world_size):
     random state, grad mode. Returns this process's id and its first random draw."""
     import torch.distributed as dist
 
-    import thunder_fp8shard.analysis as analysis
+    import thunder_fp8shard.analysis.analyze as analysis
 
     first = torch.rand(3)
     os.environ["FP8SHARD_PLANTED"] = str(rank)
-    analysis.analyze_replication = "planted"  # the seam tests/test_planted_divergence.py plants
+    analysis.analyze_replication = "planted"  # a module global of the pass, rebound
     torch.set_grad_enabled(False)
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
@@ -32,8 +32,8 @@ def _plant_state(rank, world_size):
 
 
 def _read_state(rank, world_size):
-    import thunder_fp8shard.analysis as analysis
-    from thunder_fp8shard.replication import analyze_replication
+    import thunder_fp8shard.analysis.analyze as analysis
+    from thunder_fp8shard.analysis.replication import analyze_replication
 
     return (os.getpid(), torch.rand(3), os.environ.get("FP8SHARD_PLANTED"),
             analysis.analyze_replication is analyze_replication, torch.is_grad_enabled())

@@ -1,4 +1,4 @@
-"""Tests of the liveness/memory model (thunder_fp8shard.liveness) and its plot, on CPU, single process."""
+"""Tests of the liveness/memory model (thunder_fp8shard.analysis.liveness) and its plot, on CPU, single process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from thunder.core.trace import TraceCtx, from_trace, tracectx
 from thunder.executors.pythonex import clear_mutable_collection
 from torch import nn
 
-from thunder_fp8shard.liveness import (
+from thunder_fp8shard.analysis.liveness import (
     Life,
     ShardedStorages,
     Step,
@@ -23,7 +23,7 @@ from thunder_fp8shard.liveness import (
     uses,
     with_sharding,
 )
-from thunder_fp8shard.plot import plot_timelines
+from thunder_fp8shard.reporting.plot import plot_timelines
 
 
 def _tensor(name: str, shape: tuple[int, ...], dtype=dtypes.float32) -> TensorProxy:

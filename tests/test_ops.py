@@ -6,8 +6,9 @@ import weakref
 import pytest
 import torch
 
-from thunder_fp8shard import ops, payload
-from thunder_fp8shard.layout import bucket_layout, packed_offsets
+from thunder_fp8shard.runtime import ops
+from thunder_fp8shard.runtime import payload
+from thunder_fp8shard.planning.layout import bucket_layout, packed_offsets
 
 
 class Holder:

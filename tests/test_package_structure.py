@@ -49,10 +49,10 @@ def import_graph() -> nx.DiGraph:
 
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
-    assert graph.has_edge("thunder_fp8shard.grouping", "thunder_fp8shard.memory_model")  # at the top
-    assert graph.has_edge("thunder_fp8shard.plan", "thunder_fp8shard.liveness")  # under TYPE_CHECKING
-    assert graph.has_edge("thunder_fp8shard.plan", "thunder_fp8shard.plot")  # inside a function
-    assert graph.has_edge("thunder_fp8shard.planner", "thunder_fp8shard.grouping")  # from the package import module
+    assert graph.has_edge("thunder_fp8shard.planning.grouping", "thunder_fp8shard.memory.model")  # at the top
+    assert graph.has_edge("thunder_fp8shard.plan", "thunder_fp8shard.analysis.liveness")  # under TYPE_CHECKING
+    assert graph.has_edge("thunder_fp8shard.plan", "thunder_fp8shard.reporting.plot")  # inside a function
+    assert graph.has_edge("thunder_fp8shard.planning.planner", "thunder_fp8shard.planning.grouping")  # from the package import module
     assert graph.has_edge("thunder_fp8shard", "thunder_fp8shard.transform")  # from the __init__
 
 
@@ -80,3 +80,14 @@ def test_the_readme_names_every_file_of_the_package_and_only_those():
     assert files - named == set(), "files the README's layout does not name"
     assert named - files == set(), "files the README's layout names that do not exist"
     assert all(f"| `{d}` |" in section for d in subpackages)
+
+
+def test_the_transform_runs_the_stages_only_through_compile_plan():
+    """transform.py is the pass's I/O with Thunder: the stages (analyze, agree and check, plan, rewrite) run in
+    pipeline.compile_plan, which imports nothing of the transform."""
+    graph = import_graph()
+    stages = ("analysis.analyze", "distributed.agreement", "planning", "rewrite")
+    direct = [m for m in graph.successors("thunder_fp8shard.transform")
+              if any(m == f"thunder_fp8shard.{s}" or m.startswith(f"thunder_fp8shard.{s}.") for s in stages)]
+    assert direct == [] and graph.has_edge("thunder_fp8shard.transform", "thunder_fp8shard.pipeline")
+    assert "thunder_fp8shard.transform" not in nx.descendants(graph, "thunder_fp8shard.pipeline")

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from thunder_fp8shard.grouping import place
-from thunder_fp8shard.liveness import Life, Step
-from thunder_fp8shard.memory_model import MemoryModel, Placement
+from thunder_fp8shard.planning.grouping import place
+from thunder_fp8shard.analysis.liveness import Life, Step
+from thunder_fp8shard.memory.model import MemoryModel, Placement
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, UNKNOWN, Compaction, Decision, MemoryTerm, ShardPlan, shard_op_nbytes
-from thunder_fp8shard.grouping import group
-from thunder_fp8shard.planner import choose
+from thunder_fp8shard.planning.grouping import group
+from thunder_fp8shard.planning.planner import choose
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
 # W1 (40 B) is last used in forward at 1 and first in backward at 8: it is live at the peak.
@@ -138,7 +138,7 @@ def test_the_plan_counts_the_operator_calls_a_step_when_the_rewrite_gave_them():
     ("partition", 2, "on process groups the pass made over runs of 2 consecutive ranks;"),
 ])
 def test_the_plan_names_the_group_the_shards_travel_on(kind, size, words):
-    """The shard group's kind is set by :class:`~thunder_fp8shard.shard_groups.ShardGroups`: the setup's own group
+    """The shard group's kind is set by :class:`~thunder_fp8shard.distributed.shard_groups.ShardGroups`: the setup's own group
     (comm="shared"), a second group over its ranks (comm="dedicated"), or the pass's subgroups (shard_group_size)."""
     plan = ShardPlan(4, "slice", "all", 1, [], 0, 0, comm="dedicated" if kind == "dedicated" else "shared",
                      shard_group_size=size, shard_group_origin=kind)
@@ -233,7 +233,7 @@ def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
     assert model.evaluate(together).peak_bytes == 4512
     buckets = group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)
     assert [b.members for b in buckets] == [("W2",), ("W1",)]
-    from thunder_fp8shard import grouping
+    from thunder_fp8shard.planning import grouping
 
     monkeypatch.setattr(grouping, "HEADROOM", 0.0)  # it is the margin that keeps them apart
     assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]
@@ -247,7 +247,7 @@ W4 = Decision("W4", (40,), "float8_e4m3fn", "float8", 40, True, True, "identical
 
 
 def test_policy_all_never_raises_the_predicted_peak():
-    from thunder_fp8shard.planner import RAISES
+    from thunder_fp8shard.planning.planner import RAISES
 
     before = RAISING_MODEL.evaluate([]).peak_bytes
     assert before == 380  # X + W1 + W4 + G at step 7
@@ -264,7 +264,7 @@ def test_policy_all_never_raises_the_predicted_peak():
 def test_the_final_choice_is_checked_as_it_will_run():
     """Whatever the per-tensor steps decided, the buckets as grouped are checked on the model as a whole: under
     "all" what raises the peak goes; under "peak" what does not lower it goes."""
-    from thunder_fp8shard.planner import LOWERS_NOTHING, RAISES, _never_worse
+    from thunder_fp8shard.planning.planner import LOWERS_NOTHING, RAISES, _never_worse
 
     sched = dict(prefetch=0, world_size=2)
     options = ShardOptions(prefetch=0, bucket_bytes=0)
@@ -317,7 +317,7 @@ def _compaction_model(g: int, *, second: bool = False):
 
 
 def test_a_compaction_is_made_by_the_next_shard_op_where_the_predicted_peak_does_not_rise():
-    from thunder_fp8shard.grouping import place_compactions
+    from thunder_fp8shard.planning.grouping import place_compactions
 
     # far below the peak (G = 600 B at step 7): moved from step 1 to W2's shard op at step 3, one call for both
     model, (c,) = _compaction_model(600)
@@ -335,7 +335,7 @@ def test_a_compaction_is_made_by_the_next_shard_op_where_the_predicted_peak_does
 
 
 def test_compactions_alone_are_batched_into_one_call_where_the_predicted_peak_does_not_rise():
-    from thunder_fp8shard.grouping import place_compactions
+    from thunder_fp8shard.planning.grouping import place_compactions
 
     model, cs = _compaction_model(900, second=True)
     placed = place_compactions(cs, [], model)
@@ -349,8 +349,8 @@ def test_the_rewrite_makes_compactions_in_their_shard_ops_call_and_the_others_on
     """requests() hands a shard op the views of the compactions it makes, and one request a step for the others."""
     from types import SimpleNamespace
 
-    from thunder_fp8shard.grouping import place_compactions
-    from thunder_fp8shard.rewrite import requests
+    from thunder_fp8shard.planning.grouping import place_compactions
+    from thunder_fp8shard.rewrite.traces import requests
 
     steps = [SimpleNamespace(step=i) for i in range(10)]
     fw, bw = SimpleNamespace(bound_symbols=steps[:5]), SimpleNamespace(bound_symbols=steps[5:])
@@ -371,7 +371,7 @@ def test_gloos_all_gather_temporary_is_counted_for_programs_on_the_cpu_only(monk
     buffers are host memory, none of the device's (the GPU tests' gloo ranks: counting it refused copies there)."""
     import torch.distributed as dist
 
-    from thunder_fp8shard.memory_model import gathers_hold_scratch
+    from thunder_fp8shard.memory.model import gathers_hold_scratch
 
     group = object()
     monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")

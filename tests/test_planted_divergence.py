@@ -10,17 +10,14 @@ pytestmark = pytest.mark.multirank
 
 def _with_broken_analysis(job):
     def run(rank, world_size, cfg):
-        import thunder_fp8shard.analysis as analysis
-        from thunder_fp8shard.replication import Replication
+        from dataclasses import replace
+
+        from thunder_fp8shard.analysis.replication import Replication
 
         def everything_replicated(trace, group, *roots_and_reasons):
             return Replication(frozenset(p.name for b in trace.bound_symbols for p in b.flat_proxy_outs))
 
-        saved, analysis.analyze_replication = analysis.analyze_replication, everything_replicated
-        try:
-            return job(rank, world_size, cfg)
-        finally:  # the rank's process may run other functions after this one
-            analysis.analyze_replication = saved
+        return job(rank, world_size, replace(cfg, seams={"replication_analysis": everything_replicated}))
 
     return run
 

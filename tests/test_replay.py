@@ -1,12 +1,12 @@
-"""The replay of torch.compile regions (``thunder_fp8shard.aliasing``) on fake tensors: a region whose bound symbols
+"""The replay of torch.compile regions (``thunder_fp8shard.analysis.aliasing``) on fake tensors: a region whose bound symbols
 name a device (on the GPU: "Tensor on device meta is not on the expected device cuda:0!" when it was replayed on meta
 tensors) is replayed on the inputs' own device, and a replay that fails raises where the tests ask for it."""
 
 import pytest
 import torch
 
-from thunder_fp8shard import aliasing
-from thunder_fp8shard.aliasing import STRICT_ENV, is_torch_compile_region, region_aliasing
+from thunder_fp8shard.analysis import aliasing
+from thunder_fp8shard.analysis.aliasing import STRICT_ENV, is_torch_compile_region, region_aliasing
 
 
 def _named_device(x, y):

@@ -1,4 +1,4 @@
-"""The replication analysis (thunder_fp8shard.replication) on real Thunder FSDP ZeRO-3 traces: which saved tensors are
+"""The replication analysis (thunder_fp8shard.analysis.replication) on real Thunder FSDP ZeRO-3 traces: which saved tensors are
 identical on every rank, and why the others are not."""
 
 import torch
@@ -6,8 +6,8 @@ from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.utils import producers
 
-from thunder_fp8shard.replication import analyze_replication
-from thunder_fp8shard.saved import forward_saved
+from thunder_fp8shard.analysis.replication import analyze_replication
+from thunder_fp8shard.analysis.saved import forward_saved
 
 WEIGHT_SHAPES = {(64, 24), (45, 64), (7, 45)}  # FakeFP8MLP((24, 64, 45, 7))
 ACTIVATION_SHAPES = {(3, 24), (3, 64), (3, 45)}  # its inputs per layer, batch 3

@@ -1,4 +1,4 @@
-"""The memory the step runs in besides the program (thunder_fp8shard.resident): one test per term on the hand-made
+"""The memory the step runs in besides the program (thunder_fp8shard.memory.resident): one test per term on the hand-made
 traces of test_liveness, whose lives are known (12 steps: forward 0-4, backward 5-11), and the whole model."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from thunder.core.trace import TraceCtx, from_trace, tracectx
 from thunder.executors.sdpaex import sdpea_bwd
 
 from test_liveness import HAND_LIVE, _hand_traces
-from thunder_fp8shard.device_memory import DeviceMemory, measure
-from thunder_fp8shard.liveness import storage_lives
-from thunder_fp8shard.memory_model import memory_model
+from thunder_fp8shard.memory.device import DeviceMemory, measure
+from thunder_fp8shard.analysis.liveness import storage_lives
+from thunder_fp8shard.memory.model import memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, ShardPlan
-from thunder_fp8shard.resident import resident_at_call, step_terms, term_lives
+from thunder_fp8shard.memory.resident import resident_at_call, step_terms, term_lives
 
 LAST = 11
 
@@ -182,7 +182,7 @@ def test_a_parameter_proxy_sharded_by_thunders_fsdp_counts_its_shard():
     from thunder.core.proxies import TensorProxy
     from thunder.core.trace import TraceCtx, tracectx
 
-    from thunder_fp8shard.saved import numel, tensor_nbytes
+    from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
     with tracectx(TraceCtx()):
         p = TensorProxy("w", shape=(64, 24), dtype=dtypes.bfloat16, device=devices.cpu, requires_grad=True)

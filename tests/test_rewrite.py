@@ -6,14 +6,14 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.executors.pythonex import clear_mutable_collection
 
-from thunder_fp8shard import ops
-from thunder_fp8shard.candidates import find_candidates
-from thunder_fp8shard.grouping import place
-from thunder_fp8shard.layout import bucket_layout
-from thunder_fp8shard.memory_model import memory_model
+from thunder_fp8shard.runtime import ops
+from thunder_fp8shard.analysis.candidates import find_candidates
+from thunder_fp8shard.planning.grouping import place
+from thunder_fp8shard.planning.layout import bucket_layout
+from thunder_fp8shard.memory.model import memory_model
 from thunder_fp8shard.plan import Decision, ShardPlan
-from thunder_fp8shard.rewrite import operator_calls, requests, rewrite_backward, rewrite_forward
-from thunder_fp8shard.saved import backward_saved, forward_saved, tensor_nbytes
+from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward
+from thunder_fp8shard.analysis.saved import backward_saved, forward_saved, tensor_nbytes
 
 WORLD = 2
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from thunder_fp8shard import ShardIntermediates
-from thunder_fp8shard.planner import ONE_RANK
+from thunder_fp8shard.planning.planner import ONE_RANK
 from thunder_fp8shard.testing.toy_models import FakeFP8MLP
 
 
@@ -117,7 +117,7 @@ def test_inference_only_records_an_empty_plan_and_changes_nothing(single_rank_gr
 def test_group_option_must_span_the_setups_ranks(single_rank_group, monkeypatch):
     import torch.distributed as dist
 
-    from thunder_fp8shard import integrations
+    from thunder_fp8shard.distributed import integrations
     from thunder_fp8shard.options import ShardOptions
 
     same_ranks = dist.new_group(ranks=[0])

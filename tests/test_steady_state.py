@@ -1,4 +1,4 @@
-"""The steady state (``thunder_fp8shard.steady_state``): once the first-call checks are done (the audit at the first
+"""The steady state (``thunder_fp8shard.runtime.steady_state``): once the first-call checks are done (the audit at the first
 call, the calibration at the end of backward call ``CALIBRATION_CALL * runs_per_step``), the program runs without
 them: the checks' implementations are not called again, the traces the first calls ran stay inspectable, and
 gradients stay bitwise those of the run without the pass."""
@@ -17,7 +17,7 @@ STEPS = 3  # calibrated at the end of the 2nd backward: the 3rd step runs withou
 
 def _counting(run):
     """``run()`` with the checks' implementations counted (each operator looks its function up at every call)."""
-    from thunder_fp8shard import ops
+    from thunder_fp8shard.runtime import ops
 
     calls = {"audit": [], "calibrate": []}
     originals = ops._audit, ops._calibrate

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from thunder_fp8shard import ShardIntermediates
-from thunder_fp8shard.layout import bucket_layout
-from thunder_fp8shard.shard_groups import partition
+from thunder_fp8shard.planning.layout import bucket_layout
+from thunder_fp8shard.distributed.shard_groups import partition
 from thunder_fp8shard.testing.harness import run_simulated
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 

@@ -40,7 +40,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from thunder_fp8shard.planner import RAISES  # noqa: E402
+from thunder_fp8shard.planning.planner import RAISES  # noqa: E402
 from thunder_fp8shard.testing import litgpt_run as bench  # noqa: E402
 from thunder_fp8shard.testing.harness import run_on_ranks, run_simulated  # noqa: E402
 
@@ -51,7 +51,7 @@ def test_payload_roundtrip_float8tensor():
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
     import transformer_engine_torch as tex
 
-    from thunder_fp8shard import payload
+    from thunder_fp8shard.runtime import payload
 
     q = Float8Quantizer(scale=torch.full((1,), 2.0, device="cuda"), amax=torch.zeros(1, device="cuda"),
                         fp8_dtype=tex.DType.kFloat8E4M3)
@@ -85,7 +85,7 @@ FRESH_PROCESS = textwrap.dedent("""
     from thunder.core.trace import TraceCtx, tracectx
     from transformer_engine.pytorch.cpp_extensions import gemm
     from transformer_engine.pytorch.ops.basic.basic_linear import BasicLinear
-    from thunder_fp8shard.device_memory import measure
+    from thunder_fp8shard.memory.device import measure
 
     trace = TraceCtx()
     with tracectx(trace):
@@ -307,7 +307,7 @@ def test_llama_te_device_peak_falls_as_planned_under_the_fake_process_group(setu
 
 # ---------------------------------------------------------------------------------------------------------------------
 # fp8_forward_gather (issue #32, stage A; docs/fp8_forward_gather.md §4.2). The first two tests run the pass's own
-# run-time operators (thunder_fp8shard.fp8_gather_ops) for N simulated ranks in one process, the all-gather being a
+# run-time operators (thunder_fp8shard.runtime.fp8_gather_ops) for N simulated ranks in one process, the all-gather being a
 # concatenation (_LocalGroup); the others train the tiny Llama on two gloo ranks, or simulate rank 0 of 8.
 
 
@@ -376,7 +376,7 @@ def test_fp8_forward_all_gather_cast_matches_full_cast(out, cols, n):
     or the bytes."""
     from transformer_engine.common.recipe import DelayedScaling
 
-    from thunder_fp8shard import fp8_gather_ops as gops
+    from thunder_fp8shard.runtime import fp8_gather_ops as gops
 
     rows = -(-out // n)
     base = _weight_with_extremes(out, cols, 1.0)
@@ -427,7 +427,7 @@ def test_fp8_forward_all_gather_falls_back_to_bf16_at_run_time():
     today), the quantizer's amax is not touched, and to_columnwise leaves TE's own quantized weight alone."""
     from transformer_engine.common.recipe import DelayedScaling, MXFP8BlockScaling
 
-    from thunder_fp8shard import fp8_gather_ops as gops
+    from thunder_fp8shard.runtime import fp8_gather_ops as gops
 
     out, cols, n = 40, 64, 3
     rows = -(-out // n)

@@ -22,7 +22,7 @@ class ShardOptions:
         that would free fewer bytes.
     compact: ``"auto"`` replaces a saved view that keeps a larger storage alive (LitGPT's ``v``, a view of ``qkv``
         out of a torch.compile region) by a compact copy of itself, made right after the storage's last forward use
-        (rank-local, no communication, exact; see :mod:`thunder_fp8shard.compaction`), where the copy frees at
+        (rank-local, no communication, exact; see :mod:`thunder_fp8shard.analysis.compaction`), where the copy frees at
         least as many bytes as it copies: under policy ``"all"`` every such one, under ``"peak"`` and ``"budget"``
         those the policy picks, weighed with the shards by the bytes each moves a step. ``"off"``: never.
     method: ``"slice"`` keeps this rank's slice of the local copy (no communication); ``"reduce_scatter"``
@@ -33,14 +33,14 @@ class ShardOptions:
         ``optimizer_states``).
     budget_bytes: per-rank peak target for ``policy="budget"``, in device bytes: what
         ``torch.cuda.max_memory_allocated`` will read, i.e. the program plus the memory the step runs in (the
-        terms of :mod:`thunder_fp8shard.resident`), not the program's bytes alone. Where ranks give different
-        budgets, every rank plans for the smallest (see :mod:`thunder_fp8shard.agreement`).
+        terms of :mod:`thunder_fp8shard.memory.resident`), not the program's bytes alone. Where ranks give different
+        budgets, every rank plans for the smallest (see :mod:`thunder_fp8shard.distributed.agreement`).
     prefetch: how many buckets ahead of its use each backward all-gather is issued. 0 issues it just before its
         first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
     bucket_bytes: the most payload bytes one backward all-gather (a bucket) or one forward shard op handles.
         Tensors are taken in order of first backward use; each joins the current bucket, or else the current shard
         op, only where the memory model predicts that the step stays at least 5% below its predicted peak wherever the
-        grouping holds more bytes (see :mod:`thunder_fp8shard.grouping`): buckets stay one tensor near the
+        grouping holds more bytes (see :mod:`thunder_fp8shard.planning.grouping`): buckets stay one tensor near the
         backward's peak and grow to whole layers further on, so the step runs fewer operators. 0 gives one tensor a
         bucket and a shard op. Default 1 GiB: the headroom rule, not the cap, bounds the groups near the peak, and
         elsewhere larger groups mean fewer operator calls (benchmarks/README.md has the measurements).
@@ -60,7 +60,7 @@ class ShardOptions:
 
     ``resident_bytes``, ``optimizer_states`` and ``loss_bytes`` may differ between ranks, as may what each rank
     measures: every rank plans with each memory term's largest value over the ranks (agreed while compiling, see
-    :mod:`thunder_fp8shard.agreement`), so all plan the same collectives. The other options must be the same on every
+    :mod:`thunder_fp8shard.distributed.agreement`), so all plan the same collectives. The other options must be the same on every
     rank; where they give different collectives, compilation raises on every rank, naming what differs.
     comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
         ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
@@ -76,7 +76,7 @@ class ShardOptions:
         divide the world size (when the process group is already initialized: every supported setup spans the world
         or a mesh whose size divides it), else when compiling. A size equal to the setup's own group's is that
         group (``comm`` applies as without the option); any other travels on subgroups the pass creates
-        collectively, once, at the first compilation (see :mod:`thunder_fp8shard.shard_groups`), which are its own
+        collectively, once, at the first compilation (see :mod:`thunder_fp8shard.distributed.shard_groups`), which are its own
         groups already: ``comm`` has no further effect there.
     group: a ``torch.distributed.ProcessGroup``, for a compilation whose setup names no process group (a ThunderFX
         subgraph without FSDP2 parameters: nothing is sharded there, and the plan says so). Where the setup names its
@@ -88,7 +88,7 @@ class ShardOptions:
         its own rows by each rank and all-gathered as uint8, instead of all-gathered in bf16 and cast whole by every
         rank: half the forward all-gather bytes, 1/N of the cast. Meant to be bitwise identical (the cast is
         elementwise with a scale fixed before it; the weight's amax is the MAX all-reduce of the shards' amaxes;
-        see ``docs/fp8_forward_gather.md`` and :mod:`thunder_fp8shard.fp8_gather`); every weight it cannot prove that
+        see ``docs/fp8_forward_gather.md`` and :mod:`thunder_fp8shard.rewrite.fp8_gather`); every weight it cannot prove that
         for keeps its bf16 gather, with the reason in the plan.
     """
 
@@ -165,7 +165,7 @@ def _shard_group_size(k: object) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from thunder_fp8shard.shard_groups import check_size
+        from thunder_fp8shard.distributed.shard_groups import check_size
 
         check_size(k, dist.get_world_size(), "the world")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from thunder_fp8shard.report import fmt_bytes, table
+from thunder_fp8shard.reporting.format import fmt_bytes, table
 
 if TYPE_CHECKING:  # pragma: no cover
-    from thunder_fp8shard.liveness import Timeline
+    from thunder_fp8shard.analysis.liveness import Timeline
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Decision:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    kind: str  # "float8", "te_float8" or "tensor" (see thunder_fp8shard.candidates)
+    kind: str  # "float8", "te_float8" or "tensor" (see thunder_fp8shard.analysis.candidates)
     nbytes: int  # real payload bytes (1 per element for TransformerEngine FP8 tensors, whatever the proxy prints)
     replicated: bool
     sharded: bool
@@ -40,7 +40,7 @@ class Decision:
 @dataclass(frozen=True)
 class Compaction:
     """A storage that only saved views smaller than it keep alive from forward to backward (LitGPT's ``v``, a view of
-    its ``qkv`` out of a torch.compile region, see :mod:`thunder_fp8shard.aliasing`): each saved view can be
+    its ``qkv`` out of a torch.compile region, see :mod:`thunder_fp8shard.analysis.aliasing`): each saved view can be
     replaced by a compact copy of itself right after the storage's last forward use, which frees the rest. Rank-local
     (no communication), bitwise exact (the copy keeps the view's values and dimension order). Steps are those of the
     unmodified joint program; byte counts are per rank."""
@@ -77,12 +77,12 @@ MODELLED = "modelled"  # by a rule from the traces and the options
 GIVEN = "given"  # an option the user set
 NOT_COUNTED = "not counted"  # known to exist but 0 here (nothing to measure on this device, or no rule)
 UNKNOWN = "unknown"  # present in the step but of unknown size: left out of the predicted peak, the headline says so
-AGREED = "agreed"  # another rank's value, larger than this rank's own (see thunder_fp8shard.agreement)
+AGREED = "agreed"  # another rank's value, larger than this rank's own (see thunder_fp8shard.distributed.agreement)
 
 
 @dataclass(frozen=True)
 class MemoryTerm:
-    """Device memory of the step besides the jitted program's own tensors (see :mod:`thunder_fp8shard.resident`),
+    """Device memory of the step besides the jitted program's own tensors (see :mod:`thunder_fp8shard.memory.resident`),
     laid on the joint timeline as ``spans``: ``(first step, last step, bytes)``, inclusive. Per rank."""
 
     name: str  # e.g. "optimizer state"
@@ -106,7 +106,7 @@ class MemoryTerm:
 @dataclass(frozen=True)
 class AgreedValue:
     """A plan input that can differ between ranks, as every rank planned with it (see
-    :mod:`thunder_fp8shard.agreement`): a memory term's bytes (the largest over the ranks) or ``budget_bytes`` (the
+    :mod:`thunder_fp8shard.distributed.agreement`): a memory term's bytes (the largest over the ranks) or ``budget_bytes`` (the
     smallest)."""
 
     name: str  # a MemoryTerm's name, or "budget_bytes"
@@ -118,7 +118,7 @@ class AgreedValue:
 @dataclass(frozen=True)
 class Bucket:
     """Sharded tensors kept as one shard and all-gathered back as one buffer. Steps are those of the unmodified
-    joint program (see :mod:`thunder_fp8shard.liveness`); byte counts are per rank."""
+    joint program (see :mod:`thunder_fp8shard.analysis.liveness`); byte counts are per rank."""
 
     index: int
     members: tuple[str, ...]  # in order of first backward use
@@ -135,7 +135,7 @@ class Bucket:
 
 @dataclass(frozen=True)
 class ForwardGather:
-    """One TE linear weight's forward all-gather (``fp8_forward_gather``, see :mod:`thunder_fp8shard.fp8_gather`):
+    """One TE linear weight's forward all-gather (``fp8_forward_gather``, see :mod:`thunder_fp8shard.rewrite.fp8_gather`):
     gathered in FP8 (this rank casts its own rows, then the uint8 bytes are all-gathered) or left in bf16, and why.
     Bytes are per rank, one execution: received = (N-1)/N of the gathered buffer."""
 
@@ -177,21 +177,21 @@ class ShardPlan:
     shard_group_size: int = 0  # k: the ranks each tensor is sharded over (0: world_size, for plans made by hand)
     shard_ranks: tuple[int, ...] = ()  # this rank's shard group, global ranks in order
     # the shard group: "own" (the setup's), "dedicated" (a second group over its ranks), "partition" (made by the
-    # pass over runs of k consecutive ranks: shard_group_size; see thunder_fp8shard.shard_groups)
+    # pass over runs of k consecutive ranks: shard_group_size; see thunder_fp8shard.distributed.shard_groups)
     shard_group_origin: str = "own"
     # the run-time operator calls the rewritten traces make a step in the steady state, by operator name (counted in
-    # the traces), and those of the first-call checks (thunder_fp8shard.audit), made only until they are done and then
-    # removed from the program (thunder_fp8shard.steady_state)
+    # the traces), and those of the first-call checks (thunder_fp8shard.runtime.audit), made only until they are done and then
+    # removed from the program (thunder_fp8shard.runtime.steady_state)
     operator_calls: dict[str, int] = field(default_factory=dict)
     check_calls: dict[str, int] = field(default_factory=dict)
-    # the storages saved views could be compacted out of, taken or not (see thunder_fp8shard.compaction)
+    # the storages saved views could be compacted out of, taken or not (see thunder_fp8shard.analysis.compaction)
     compactions: list[Compaction] = field(default_factory=list)
     budget_bytes: int | None = None  # policy "budget": the budget every rank planned for (the smallest over the ranks)
     budget_target_bytes: int | None = None  # policy "budget": the predicted peak planned to (the budget less its margin)
     # policy "budget": the bytes the choice moves a step and a lower bound on what any choice meeting the target must
-    # move ({"moved_bytes", "lower_bound_bytes"}, see thunder_fp8shard.planner.least_traffic)
+    # move ({"moved_bytes", "lower_bound_bytes"}, see thunder_fp8shard.planning.planner.least_traffic)
     budget_traffic: dict | None = None
-    # filled at run time (thunder_fp8shard.audit): what the forward saved at the first call against the model, and
+    # filled at run time (thunder_fp8shard.runtime.audit): what the forward saved at the first call against the model, and
     # the device's peak at the calibration step against the prediction
     audit: dict | None = None
     calibration: dict | None = None
@@ -380,7 +380,7 @@ class ShardPlan:
         return [head, *table(("weight", "shape", "gathered as", "received bytes", "reason"), rows)]
 
     def _run_time_lines(self) -> list[str]:
-        """What the run-time checks found (see thunder_fp8shard.audit), once they ran."""
+        """What the run-time checks found (see thunder_fp8shard.runtime.audit), once they ran."""
         out = []
         if self.audit is not None:
             a = self.audit
@@ -434,7 +434,7 @@ class ShardPlan:
 
     def plot(self, path=None):
         """The predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure)."""
-        from thunder_fp8shard.plot import plot_timelines
+        from thunder_fp8shard.reporting.plot import plot_timelines
 
         if self.timeline_before is None:
             raise ValueError("this plan has no memory timeline (forward-only compile or nothing to model)")

@@ -1,12 +1,13 @@
-"""``ShardIntermediates``: the Thunder transform tying analysis, plan and rewrite together.
+"""``ShardIntermediates``: the Thunder transform, the pass's I/O with Thunder (the stages themselves:
+:func:`thunder_fp8shard.pipeline.compile_plan`).
 
 Thunder calls the post-optimization hook on the forward trace, then on the backward trace, of each compiled cache
 entry. What to shard is decided on the joint program, so the forward hook returns a stand-in trace and the
-backward hook plans, rewrites both traces, and fills the stand-in in place (Thunder builds the forward callable
+backward hook has both traces planned and rewritten (``compile_plan``), and fills the stand-in in place (Thunder builds the forward callable
 from it only after both hooks ran). Hence ShardIntermediates must be the last transform with a post-optimization
 hook; this is checked. Before planning, the inputs that can differ between ranks are agreed across the shard group
 (the ranks that run the plan's collectives together), and the plan's collectives are compared across it before the
-rewrite (see :mod:`thunder_fp8shard.agreement`).
+rewrite (see :mod:`thunder_fp8shard.distributed.agreement`).
 """
 
 from __future__ import annotations
@@ -15,26 +16,21 @@ import dataclasses
 import functools
 import logging
 import time
-import warnings
 
 from thunder.core.compile_data import _compile_data, get_compile_data
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fp8shard import fp8_gather, integrations
-from thunder_fp8shard.agreement import agree, check, largest
-from thunder_fp8shard.analysis import analyze
-from thunder_fp8shard.audit import Calibration, SavedAudit, cache_dropper, calibration_term, expected_storages
-from thunder_fp8shard.candidates import te_quantized_names
-from thunder_fp8shard.device_memory import DeviceMemory, cublas_gemms, measure, program_device
-from thunder_fp8shard.options import OPTION_NAMES, ShardOptions, options_from, signature
+from thunder_fp8shard.analysis.candidates import te_quantized_names
+from thunder_fp8shard.analysis.saved import forward_saved
+from thunder_fp8shard.distributed import integrations
+from thunder_fp8shard.distributed.shard_groups import ShardGroup, ShardGroups
+from thunder_fp8shard.memory.device import DeviceMemory, cublas_gemms
+from thunder_fp8shard.options import OPTION_NAMES, options_from, signature
+from thunder_fp8shard.pipeline import Seams, compile_plan, plan_header
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planner import make_plan
-from thunder_fp8shard.rewrite import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
-from thunder_fp8shard.saved import backward_saved, forward_saved
-from thunder_fp8shard.shard_groups import ShardGroup, ShardGroups
-from thunder_fp8shard.steady_state import CHECK_NAMES, checks_dropper
+from thunder_fp8shard.runtime.audit import cache_dropper
+from thunder_fp8shard.runtime.steady_state import checks_dropper
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +52,21 @@ class _PendingForward:
 
 class ShardIntermediates(Transform):
     """Shards saved-for-backward tensors that are identical on every rank (Thunder FSDP or DDP, PyTorch FSDP2 under
-    ThunderFX, see :mod:`thunder_fp8shard.integrations`) and all-gathers them back just before their backward
+    ThunderFX, see :mod:`thunder_fp8shard.distributed.integrations`) and all-gathers them back just before their backward
     consumers. Gradients are bitwise identical to the run without the pass.
 
     Use as the last transform: ``thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
     ShardIntermediates()])``, or inside ``thunder.distributed.fsdp(...)`` / ``ddp(...)``, or in ThunderFX's
     transforms over an FSDP2 model: ``torch.compile(model, backend=ThunderCompiler(transforms=[ShardIntermediates()]))``.
-    Each rank keeps a 1/k shard over its shard group (:mod:`thunder_fp8shard.shard_groups`): the setup's group, or with
+    Each rank keeps a 1/k shard over its shard group (:mod:`thunder_fp8shard.distributed.shard_groups`): the setup's group, or with
     ``shard_group_size=k`` its run of k consecutive ranks; which tensors are identical is decided over the setup's
     whole group. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under
     ThunderFX, of each subgraph), newest last.
 
     Options: keyword-only, the fields of :class:`~thunder_fp8shard.options.ShardOptions` with its defaults
     (``inspect.signature`` and ``help()`` show them), validated at construction; ShardOptions' docstring and the
-    README's "Options" table say what each does.
+    README's "Options" table say what each does. What the pass reads of the world (the device, the other ranks) can
+    be replaced with :meth:`inject` (tests do, to plant readings on the CPU).
     """
 
     def __init__(self, **options):
@@ -78,6 +75,14 @@ class ShardIntermediates(Transform):
         self._pending: _PendingForward | None = None
         self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
         self._calibration_bytes: int | None = None  # set by a missed budget: planned with from then on
+        self.seams = Seams()
+
+    def inject(self, **seams) -> ShardIntermediates:
+        """Replaces what the pass reads of the world, or a choice a test plants wrong on purpose: the fields of
+        :class:`~thunder_fp8shard.pipeline.Seams` (``device_probe``, ``collectives``, ``replication_analysis``,
+        ``chooser``). Returns the transform."""
+        self.seams = dataclasses.replace(self.seams, **seams)
+        return self
 
     OPTIONS = OPTION_NAMES
     __init__.__signature__ = signature(OPTIONS)
@@ -101,7 +106,7 @@ class ShardIntermediates(Transform):
         _check_last_post_optimization_transform(self)
         setup, shards = self._setup()
         if not forward_saved(fw)[0]:
-            plan = self._empty_plan(setup, shards)
+            plan = plan_header(self.options, setup, shards)
             plan.notes.append("forward-only compile (no_grad or no input requires grad): nothing is saved for backward")
             self._record(plan)
             return fw
@@ -109,7 +114,7 @@ class ShardIntermediates(Transform):
         stand_in.bound_symbols = list(fw.bound_symbols)
         stand_in.set_provenance(TraceProvenance(f"{type(self).__name__}: forward as compiled, until its backward is planned"))
         te_names = frozenset(te_quantized_names(fw))
-        device = measure(fw, transformer_engine=bool(te_names), cublas=cublas_gemms(fw))
+        device = self.seams.device_probe.while_compiling(fw, transformer_engine=bool(te_names), cublas=cublas_gemms(fw))
         stats = _compile_data.get()[1]
         self._pending = _PendingForward(fw, stand_in, time.perf_counter() - start, device, setup, shards, stats,
                                         te_names)
@@ -120,76 +125,22 @@ class ShardIntermediates(Transform):
         pending, self._pending = self._pending, None
         if pending is None:
             return bw
-        fw = pending.original
-        if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
-            raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it follows")
-        o, setup, shards = self.options, pending.setup, pending.shards
-        group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
-        world_size = shards.size if shards is not None else 1
-        extra = (calibration_term(self._calibration_bytes, len(fw.bound_symbols) + len(bw.bound_symbols) - 1),) if (
-            self._calibration_bytes) else ()
-        analysis = analyze(fw, bw, o, setup, pending.device, pending.te_names, extra)  # pure
-        # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
-        agreed = agree(analysis.model.terms, o.budget_bytes, group)
-        plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
-                                world_size, self._empty_plan(setup, shards), agreed.values)  # pure
-        for warning in warns:
-            warnings.warn(f"{type(self).__name__}: {warning}", stacklevel=2)
-        fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
-                                     group=setup and setup.group, world_size=setup.world_size if setup else 1)
-        plan.forward_gather, plan.notes = list(fwd_gather.rows), [*plan.notes, *fwd_gather.notes]
-        if group is not None:
-            check(plan, group, verify=o.verify)  # before any collective of the plan
-        shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
-        n = sum(len(r.members) for op in shard_ops for r in op.buckets)
-        new_fw = rewrite_forward(
-            fw, shard_ops, group=group, world_size=world_size, method=o.method, verify=o.verify,
-            compactions=compactions,
-            provenance=f"{type(self).__name__}: {n} saved tensors kept as 1/{world_size} shards of {len(plan.buckets)} "
-            f"bucket(s) by {len(shard_ops)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
-        )
-        new_bw, _ = rewrite_backward(
-            bw, new_fw, group=group,
-            provenance=f"{type(self).__name__}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
-        )
-        audit = SavedAudit(plan, expected_storages(analysis.model, plan, new_fw),
-                           [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
-        calibration = Calibration(plan, program_device(fw), plan.budget_bytes, functools.partial(largest, group=group),
-                                  functools.partial(self._replan, pending.stats), audit)
-        new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
-        fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
-        pending.stand_in.bound_symbols = fw_trace.bound_symbols
-        pending.stand_in.set_provenance(fw_trace.get_provenance())
+        out = compile_plan(pending.original, bw, self.options, pending.setup, pending.shards, pending.device,
+                           pending.te_names, self._calibration_bytes, functools.partial(self._replan, pending.stats),
+                           type(self).__name__, self.seams)
+        pending.stand_in.bound_symbols = out.forward.bound_symbols
+        pending.stand_in.set_provenance(out.forward.get_provenance())
         # once both checks are done, the program's cache entry runs these traces without them
-        calibration.on_done = checks_dropper(pending.stats, pending.stand_in, new_bw)
-        calls = operator_calls(fw_trace, new_bw)
-        plan.operator_calls = {name: n for name, n in calls.items() if name not in CHECK_NAMES}
-        plan.check_calls = {name: calls[name] for name in CHECK_NAMES}
-        if fwd_gather.sites:
-            gather_calls = fp8_gather.operator_calls(fw_trace)
-            plan.operator_calls.update(gather_calls)
-            plan.forward_gather_calls = (fwd_gather.calls_replaced, sum(gather_calls.values()))
-        plan.pass_seconds = pending.seconds + time.perf_counter() - start
-        self._record(plan)
-        return new_bw
+        out.calibration.on_done = checks_dropper(pending.stats, pending.stand_in, out.backward)
+        out.plan.pass_seconds = pending.seconds + time.perf_counter() - start
+        self._record(out.plan)
+        return out.backward
 
     def _replan(self, compile_stats, error_bytes: int) -> None:
-        """After a missed budget (every rank alike, see :class:`~thunder_fp8shard.audit.Calibration`): plan every later
+        """After a missed budget (every rank alike, see :class:`~thunder_fp8shard.runtime.audit.Calibration`): plan every later
         compilation with the error as a measured term, and make the next call compile again."""
         self._calibration_bytes = max(self._calibration_bytes or 0, 0) + max(error_bytes, 0)
         cache_dropper(compile_stats)()
-
-    def _empty_plan(self, setup: integrations.Integration | None, shards: ShardGroup | None) -> ShardPlan:
-        """The plan's setup facts, nothing decided yet."""
-        o = self.options
-        common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=[], saved_bytes_before=0,
-                      saved_bytes_after=0, bucket_bytes=o.bucket_bytes)
-        if setup is None:  # compaction alone: no distributed setup
-            return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none",
-                             **common)
-        return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=list(setup.notes),
-                         shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin,
-                         **common)
 
     def _record(self, plan: ShardPlan) -> None:
         self.plans.append(plan)
@@ -200,7 +151,7 @@ class CompactSavedViews(ShardIntermediates):
     """Compaction of saved views alone, without any distributed setup or sharding (one GPU, any Thunder program): each
     saved view that keeps a larger storage alive is replaced by a compact copy of itself, made right after the
     storage's last forward use, where the copy frees at least as many bytes as it copies (see
-    :mod:`thunder_fp8shard.compaction`; LitGPT's ``v`` under Thunder's benchmark executors). Gradients are bitwise
+    :mod:`thunder_fp8shard.analysis.compaction`; LitGPT's ``v`` under Thunder's benchmark executors). Gradients are bitwise
     those of the run without it. Use it as the last transform: ``thunder.jit(model, transforms=[CompactSavedViews()])``.
     ``ShardIntermediates`` compacts too (``compact="auto"``, its default): use one of the two.
 

@@ -46,9 +46,9 @@ def pass_gathers_on_their_own_stream() -> None:
     stream, and ``wait()`` makes the compute stream wait for it. This does the same around the fake group's call: the
     output is allocated on the compute stream, as the pass does, the copies run on a side stream, and the handle's
     ``wait`` is a stream wait. The bytes the copies write are the gathered buffer's, as NCCL's are. Only the pass's
-    operators (``thunder_fp8shard.ops``) are patched; FSDP's own gathers stay on the compute stream on every arm."""
+    operators (``thunder_fp8shard.runtime.ops``) are patched; FSDP's own gathers stay on the compute stream on every arm."""
     import torch
-    from thunder_fp8shard import ops
+    from thunder_fp8shard.runtime import ops
 
     side = torch.cuda.Stream()
 

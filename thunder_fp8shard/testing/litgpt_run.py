@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from thunder_fp8shard.planner import RAISES
+from thunder_fp8shard.planning.planner import RAISES
 
 
 # the GPU tests' litgpt Llama-2-7b-hf config, shrunk to keep them fast (``tests/test_te_gpu.py``,

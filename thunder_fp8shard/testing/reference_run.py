@@ -23,6 +23,8 @@ class RunConfig:
     use_pass: bool = True
     options: dict = field(default_factory=dict)  # ShardIntermediates options
     rank_options: tuple[dict, ...] = ()  # rank r's options on top of ``options`` (rank-dependent values)
+    seams: dict = field(default_factory=dict)  # injected into the pass (ShardIntermediates.inject: a planted device
+    # probe, collectives, replication analysis or choice)
     no_grad_call: bool = True  # a forward-only call between the first and second step
     api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...);
     # "ddp": thunder.distributed.ddp(...); "fsdp2": fully_shard(each layer), fully_shard(model), then torch.compile
@@ -62,7 +64,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         return train_fsdp2(rank, world_size, cfg)
     torch.manual_seed(cfg.seed)
     model = FakeFP8MLP(cfg.widths)
-    shard = ShardIntermediates(**cfg.options_of(rank))
+    shard = ShardIntermediates(**cfg.options_of(rank)).inject(**cfg.seams)
     extra = [shard] if cfg.use_pass else []
     strategy = FSDPType[cfg.sharding_strategy]
     if cfg.api == "transform":
@@ -114,7 +116,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(cfg.seed)
     model = FakeFP8MLP(cfg.widths)
-    shard = ShardIntermediates(**cfg.options_of(rank))
+    shard = ShardIntermediates(**cfg.options_of(rank)).inject(**cfg.seams)
     backend = ThunderCompiler(transforms=[shard] if cfg.use_pass else [])
     if cfg.mesh_shape is None:
         mesh = init_device_mesh("cpu", (world_size,))

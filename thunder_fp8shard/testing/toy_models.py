@@ -101,7 +101,7 @@ class LlamaBlock(nn.Module):
     layers are ``FakeFP8Linear``. With ``rope`` (LitGPT's attention as it is): the rotary embedding of the queries and
     keys, ``torch.cat`` of the roped part and the rest as LitGPT writes it; under Thunder's ``torch_compile_cat_ex``
     the qkv split, views and transposes and the RoPE are then one torch.compile region, which returns ``v`` as a view
-    of its input ``qkv`` (see :mod:`thunder_fp8shard.aliasing`). Without: no rotary embedding."""
+    of its input ``qkv`` (see :mod:`thunder_fp8shard.analysis.aliasing`). Without: no rotary embedding."""
 
     def __init__(self, n_embd: int, n_head: int, intermediate_size: int, rope: bool = False):
         super().__init__()

@@ -1,0 +1,3 @@
+"""Stage 1, analysis: what a compilation's forward and backward traces say before anything is agreed or chosen (the
+saved-for-backward contract, the candidates, the replication verdicts, storages and live intervals, the compaction
+options); :func:`~thunder_fp8shard.analysis.analyze.analyze` is the stage's entry point."""

@@ -1,0 +1,80 @@
+"""Candidate discovery: which saved-for-backward tensors the pass may consider, and their real payload size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.replication import TE_LINEAR_FWD, TE_SCALE_UPDATE
+from thunder_fp8shard.analysis.saved import forward_saved, numel, tensor_nbytes
+
+FLOAT8 = "float8"  # a tensor with a torch float8 dtype
+TE_FLOAT8 = "te_float8"  # a TransformerEngine quantized tensor; its proxy prints the high-precision dtype
+TENSOR = "tensor"  # any other tensor (candidates="all")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A saved-for-backward tensor the pass considers. ``payload_bytes`` is what it really occupies per rank."""
+
+    proxy: TensorProxy
+    kind: str
+    payload_bytes: int
+
+    @property
+    def name(self) -> str:
+        return self.proxy.name
+
+
+def find_candidates(fw: TraceCtx, candidates: str, te_quantized: set[str]) -> list[Candidate]:
+    """The saved tensors of ``fw`` that are FP8 (``candidates="fp8"``) or all of them (``"all"``), each once;
+    ``te_quantized``: :func:`te_quantized_names` of ``fw``."""
+    found: dict[str, Candidate] = {}
+    for p in forward_saved(fw)[0]:
+        if p.name in found:
+            continue
+        if p.name in te_quantized:
+            found[p.name] = Candidate(p, TE_FLOAT8, payload_nbytes(p, te_quantized))
+        elif p.dtype in dtypes.float_8bit_dtypes:
+            found[p.name] = Candidate(p, FLOAT8, payload_nbytes(p, te_quantized))
+        elif candidates == "all":
+            found[p.name] = Candidate(p, TENSOR, payload_nbytes(p, te_quantized))
+    return list(found.values())
+
+
+def payload_nbytes(p: TensorProxy, te_quantized: set[str]) -> int:
+    """What ``p`` really occupies: its shape's bytes, but 1 byte an element for a TransformerEngine quantized tensor
+    (TE keeps one uint8 buffer per saved quantized tensor under DelayedScaling, its transpose), whose proxy prints
+    the high-precision dtype."""
+    return numel(p) if p.name in te_quantized else tensor_nbytes(p)
+
+
+def te_quantized_names(trace: TraceCtx) -> set[str]:
+    """Proxies holding TransformerEngine quantized tensors: outputs 1 and 2 of ``te_functional_linear_fwd`` and the
+    pass-through tokens of ``te_fp8_amax_and_scale_update`` that carry them."""
+    quantized: set[str] = set()
+    for bsym in trace.bound_symbols:
+        name = bsym.sym.name
+        if name.startswith(TE_LINEAR_FWD):
+            quantized.update(p.name for p in bsym.output[1:])
+        elif name.startswith(TE_SCALE_UPDATE):
+            for out, token in zip(bsym.output, bsym.kwargs.get("tokens", ())):
+                if token.name in quantized:
+                    quantized.add(out.name)
+    return quantized
+
+
+def saved_bytes_by_dtype(fw: TraceCtx, te_quantized: set[str]) -> dict[str, int]:
+    """The bytes of the tensors ``fw`` saves for backward (each tensor once, its payload), by dtype as Thunder
+    prints it (``float32``, ``float8_e4m3fn``, ...), largest first: what a plan without candidates names."""
+    by: dict[str, int] = {}
+    seen: set[str] = set()
+    for p in forward_saved(fw)[0]:
+        if isinstance(p, TensorProxy) and p.name not in seen:
+            seen.add(p.name)
+            key = str(p.dtype).removeprefix("thunder.dtypes.")
+            by[key] = by.get(key, 0) + payload_nbytes(p, te_quantized)
+    return dict(sorted(by.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,415 @@
+"""Storage lives of the joint forward+backward program (pure functions over Thunder traces).
+
+The joint program is the forward trace's bound symbols followed by the backward trace's, one ``Step`` each.
+``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
+into storages (connected components of view edges) and gives each one interval of steps; ``span_bytes`` sums the
+live bytes per step; ``with_sharding`` and ``with_compaction`` say what sharding buckets of saved tensors, and
+compacting saved views, do to the lives. Nothing here mutates a trace. This is the program's own memory; the memory
+the step runs in besides it (parameters held by the caller, optimizer state, workspaces, ...) is
+:mod:`thunder_fp8shard.memory.resident`'s, and :mod:`thunder_fp8shard.memory.model` puts the two together.
+
+Model (what counts, and for how long):
+
+- Storages are produced by bound symbols of either trace (a bound symbol with subsymbols is one op). A
+  ``FutureTensorProxy`` counts by its buffer, and ``torch_wait_prim_impl`` returns a view of that buffer. The
+  outputs of a view op (``VIEW_OPS``) share their input's storage; so do the outputs of a torch.compile fusion region
+  that are views of one of its inputs, and the region's outputs that are views of one buffer it allocates share that
+  buffer, counted at its size (:mod:`thunder_fp8shard.analysis.aliasing`). A storage lives as long as any tensor viewing it.
+- Trace inputs: the forward's tensor arguments (parameters and inputs) are live from step 0 to the end of the
+  forward at least (the caller holds them); the backward's own inputs (the cotangents) from the first backward
+  step. Unpack bound symbols allocate nothing. The backward unpacks ``C0`` under the forward names, so those are
+  the forward storages, and the unpack counts as a use of them.
+- A storage is live from the step that allocates it to its last real use, inclusive. ``del``,
+  ``clear_mutable_collection`` and return do not count as uses, except that the forward's saved tensors live
+  at least into the backward, the forward's ``output``/``flat_output`` live to the end of the forward, and the
+  backward's returned gradients live to the end of the backward.
+- Bytes are ``numel * dtype.bytes`` unless ``nbytes_of`` says otherwise; non-tensor proxies are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import networkx as nx
+import numpy as np
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.symbol import BoundSymbol, default_python_printer
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.aliasing import region_aliasing
+from thunder_fp8shard.analysis.saved import tensor_nbytes
+
+# Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
+VIEW_OPS = frozenset(
+    {
+        "reshape", "view", "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous",
+        "transpose", "permute", "movedim", "t", "expand", "expand_as", "broadcast_in_dim",
+        "__getitem__", "getitem", "torch_slice_prim_impl", "narrow", "select", "diagonal",
+        "split", "chunk", "tensor_split", "unbind", "shallow_copy", "bitcast", "torch_prims_reshape_impl",
+        "torch_wait_prim_impl",
+    }
+)  # fmt: skip
+# Ops returning their ``tokens=`` arguments unchanged (TransformerEngine's scale update)
+PASS_THROUGH_TOKENS = ("te_fp8_amax_and_scale_update",)
+_UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith("UNPACK"))
+_BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN})
+
+
+@dataclass(frozen=True)
+class Step:
+    """One position on the joint timeline."""
+
+    index: int  # 0..n-1 over forward bound symbols then backward bound symbols
+    phase: str  # "forward" or "backward"
+    label: str  # short text, e.g. "t387 = torch.nn.functional.linear" or "del t12"
+
+
+@dataclass(frozen=True)
+class Life:
+    """One storage: a group of aliasing proxies, counted once, live on the steps [start, end]."""
+
+    name: str  # representative proxy name (the first-produced one of the group)
+    members: tuple[str, ...]  # all proxy names aliasing this storage, in order of appearance
+    nbytes: int
+    start: int  # step where it is allocated (0 for forward inputs)
+    end: int  # step of its last use, inclusive
+
+
+@dataclass(frozen=True)
+class ShardedStorages:
+    """What the sharding pass does to a group of saved storages sharded together (a bucket; the indices are steps
+    of the unmodified program)."""
+
+    name: str  # e.g. "bucket3"
+    lives: tuple[str, ...]  # Life names of the saved storages being sharded
+    shard_nbytes: int  # bytes of the 1/N shard kept between forward and backward
+    gathered_nbytes: int  # bytes of the all-gathered buffer, which the restored tensors are views of
+    shard_at: int  # step after which the full storages are replaced by the shard (their last forward use)
+    gather_at: int  # step where the all-gather is issued in backward (the full buffer is allocated here)
+    first_use: int  # first backward consumer of any member (the wait is just before it)
+    shard_until: int | None = None  # last step the shard is held (default ``first_use``; a shard op serving several
+    # buckets keeps one shard for all of them, until the wait of the last)
+    # bytes the collective itself holds while the all-gather is in flight, from its issue to its wait (gloo's
+    # all_gather_into_tensor on the CPU: a temporary of the whole gathered output); 0: none (NCCL, the fake group)
+    scratch_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Bytes live at each step: after the step's outputs are allocated, before anything is freed."""
+
+    steps: tuple[Step, ...]
+    live_bytes: tuple[int, ...]
+    backward_start: int  # index of the first backward step (len(steps) when there is no backward)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes, default=0)
+
+    @property
+    def peak_step(self) -> Step:
+        """The first step where the peak is reached."""
+        return self.steps[self.live_bytes.index(self.peak_bytes)]
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, (TensorProxy, FutureTensorProxy))
+
+
+def _tensors(xs: Iterable) -> list[Proxy]:
+    return [x for x in xs if _is_tensor(x)]
+
+
+def _is_bookkeeping(bsym: BoundSymbol) -> bool:
+    """``del``, return and ``clear_mutable_collection`` hold no tensor alive by themselves."""
+    return bsym.sym.id in _BOOKKEEPING or bsym.sym.name == "clear_mutable_collection"
+
+
+def is_compute(bsym: BoundSymbol) -> bool:
+    """False for steps that compute nothing: bookkeeping, unpacks and comments."""
+    return not (_is_bookkeeping(bsym) or bsym.sym.id in _UNPACKS or bsym.sym.id == PrimIDs.COMMENT)
+
+
+def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, BoundSymbol]]:
+    bw = bw_trace.bound_symbols if bw_trace is not None else []
+    return [("forward", b) for b in fw_trace.bound_symbols] + [("backward", b) for b in bw]
+
+
+def _label(bsym: BoundSymbol) -> str:
+    """The printed line of ``bsym`` up to its call's "(" (``"t387 = torch.nn.functional.linear"``, ``"del t12"``).
+
+    The common cases (the default printer with one tensor or no output, ``del`` of proxies) are spelled out from
+    the names, as the printer would; printing a whole line (every argument) costs more than the rest of the
+    analysis, so only the rare other symbols are printed.
+    """
+    sym = bsym.sym
+    if sym.id == PrimIDs.RETURN:
+        return "return"
+    if not bsym.header:
+        if sym.python_printer is default_python_printer:
+            out = bsym.output
+            if out is None or (type(out) in (tuple, list) and not out):
+                return bsym.name_with_module()
+            if _is_tensor(out):
+                return f"{out.name} = {bsym.name_with_module()}"
+        elif sym.id == PrimIDs.DEL and all(isinstance(a, Proxy) for a in bsym.args):
+            return f"del {', '.join(a.name for a in bsym.args)}"[:80]
+    return _printed_label(bsym)
+
+
+def _printed_label(bsym: BoundSymbol) -> str:
+    lines = bsym.python(indent=0)
+    if not lines or lines[0].startswith("#"):  # unpack_trivial prints only a comment
+        outs = ", ".join(p.name for p in bsym.flat_proxy_outs)
+        return f"{outs} = {bsym.sym.name}"
+    line = lines[0].split("  #")[0]
+    return line[: line.index("(")] if "(" in line else line[:80]
+
+
+def program_steps(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> tuple[Step, ...]:
+    """One ``Step`` per bound symbol: the forward's, then the backward's."""
+    return tuple(Step(i, phase, _label(b)) for i, (phase, b) in enumerate(_joint(fw_trace, bw_trace)))
+
+
+def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
+    """(output and flat_output tensors, saved-for-backward tensors) of the forward's return."""
+    ret = fw_trace.bound_symbols[-1]
+    if ret.sym.id != PrimIDs.RETURN:
+        return [], []
+    match ret.args:
+        case (dict() as out, (saved, _)):  # the augmented forward of thunder/transforms/autodiff.py
+            outputs = tree_flatten((out.get("output"), out.get("flat_output")))[0]
+            return _tensors(outputs), _tensors(saved)
+        case _:
+            return _tensors(ret.flat_proxy_args), []
+
+
+def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
+    """The joint program as a DAG of bound symbols and tensors (edges producer -> tensor -> consumer).
+
+    Bound-symbol nodes are the step indices, with attributes ``index``, ``phase`` and ``bsym``. Tensor nodes are
+    proxy names, with attributes ``proxy``, ``nbytes`` (default size), ``start`` (step allocating it) and
+    ``held_until`` (the step it lives to at least even without uses: end of forward for forward inputs and
+    outputs, the first backward step for saved tensors, the last step for gradients; else ``start``), and for the
+    outputs of a fusion region that share a buffer it allocates, ``storage_nbytes`` (that buffer's bytes). Unpacks
+    produce nothing: the backward's unpack of the saved tensors is an edge from the forward tensor (same name).
+    Graph attributes: ``backward_start`` (index of the first backward step) and ``region_views``, the (input,
+    output) pairs of fusion regions whose output views that input or shares a buffer with another output
+    (:func:`thunder_fp8shard.analysis.aliasing.region_aliasing`).
+    """
+    joint = _joint(fw_trace, bw_trace)
+    bw_start = len(fw_trace.bound_symbols)
+    # Nodes (in networkx insertion order) and edges are collected first and added in bulk: one add_node/add_edge
+    # call per tensor use costs more than the rest of this function.
+    nodes: list[tuple[int | str, dict]] = []
+    edges: list[tuple[int | str, int | str]] = []
+    tensors: dict[str, dict] = {}
+    region_views: list[tuple[str, str]] = []
+
+    def add_tensor(p: Proxy, start: int) -> None:
+        if p.name not in tensors:
+            attrs = dict(proxy=p, nbytes=tensor_nbytes(p), start=start, held_until=start)
+            tensors[p.name] = attrs
+            nodes.append((p.name, attrs))
+
+    for p in _tensors(tree_flatten((fw_trace.args, fw_trace.kwargs))[0]):
+        add_tensor(p, 0)
+        tensors[p.name]["held_until"] = bw_start - 1
+    for i, (phase, bsym) in enumerate(joint):
+        nodes.append((i, dict(index=i, phase=phase, bsym=bsym)))
+        input_start = 0 if phase == "forward" else bw_start
+        for p in _tensors(bsym.flat_proxy_args):
+            add_tensor(p, input_start)  # an input nothing produced
+            edges.append((p.name, i))
+        unpack = bsym.sym.id in _UNPACKS
+        for p in _tensors(bsym.flat_proxy_outs):
+            if unpack:  # a trace input under its name: a use if known, else an input
+                if p.name in tensors:
+                    edges.append((p.name, i))
+                else:
+                    add_tensor(p, input_start)
+            elif p.name not in tensors:  # a name already known is passed through, not allocated
+                add_tensor(p, i)
+                edges.append((i, p.name))
+        if bsym.sym.is_fusion and not unpack:
+            aliasing = region_aliasing(bsym)
+            region_views += aliasing.views_of.items()
+            for outs, nbytes in aliasing.shared:
+                for o in outs:
+                    tensors[o]["storage_nbytes"] = nbytes
+                region_views += ((outs[0], o) for o in outs[1:])
+
+    outputs, saved = forward_return(fw_trace)
+    for p in outputs:
+        tensors[p.name]["held_until"] = max(tensors[p.name]["held_until"], bw_start - 1)
+    for p in saved:
+        tensors[p.name]["held_until"] = max(tensors[p.name]["held_until"], min(bw_start, len(joint) - 1))
+    if bw_trace is not None and bw_trace.bound_symbols and bw_trace.bound_symbols[-1].sym.id == PrimIDs.RETURN:
+        for p in _tensors(bw_trace.bound_symbols[-1].flat_proxy_args):
+            tensors[p.name]["held_until"] = len(joint) - 1
+    g = nx.DiGraph(backward_start=bw_start, region_views=region_views)
+    g.add_nodes_from(nodes)
+    g.add_edges_from(edges)
+    return g
+
+
+def uses(graph: nx.DiGraph, names: Iterable[str]) -> tuple[int, ...]:
+    """Sorted steps that really use any of ``names`` (``del``, clears and returns excluded; unpacks included)."""
+    steps = {c for n in names for c in graph.successors(n) if not _is_bookkeeping(graph.nodes[c]["bsym"])}
+    return tuple(sorted(steps))
+
+
+def view_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """Tensor names, with an edge from each tensor to every tensor that views its storage directly: the outputs of
+    view ops and pass-through tokens, the outputs of fusion regions that view an input (``region_views``; outputs
+    sharing a buffer their region allocates are joined one to the other)."""
+    views = nx.DiGraph()
+    views.add_nodes_from(n for n in graph if isinstance(n, str))
+    for i in (n for n in graph if isinstance(n, int)):
+        bsym = graph.nodes[i]["bsym"]
+        if bsym.sym.name in VIEW_OPS and (ins := _tensors(bsym.flat_proxy_args)):
+            views.add_edges_from((ins[0].name, out) for out in graph.successors(i))
+        elif bsym.sym.name.startswith(PASS_THROUGH_TOKENS):  # output k is token k
+            tokens = _tensors(bsym.kwargs.get("tokens", ()))
+            views.add_edges_from((t.name, o.name) for t, o in zip(tokens, _tensors(bsym.flat_proxy_outs)))
+    views.add_edges_from(graph.graph.get("region_views", ()))
+    return views
+
+
+def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
+    """Tensor names grouped by storage: the connected components of :func:`view_graph`."""
+    return list(nx.weakly_connected_components(view_graph(graph)))
+
+
+def storage_lives(
+    fw_trace: TraceCtx,
+    bw_trace: TraceCtx | None,
+    *,
+    nbytes_of: Callable[[Proxy], int] | None = None,
+    graph: nx.DiGraph | None = None,
+) -> dict[str, Life]:
+    """One ``Life`` per storage of the joint program, keyed by its name, in order of allocation.
+
+    ``nbytes_of(proxy)`` overrides a storage's size (it is asked about the representative proxy), e.g. for
+    TransformerEngine tensors whose proxies print bf16 but hold 1 byte per element. ``graph``: the
+    ``joint_graph(fw_trace, bw_trace)`` when the caller already has it (it is built here otherwise).
+    """
+    g = graph if graph is not None else joint_graph(fw_trace, bw_trace)
+    nodes = g.nodes
+    order = {n: k for k, n in enumerate(g)}  # insertion order: order of first appearance
+    last_use = last_uses(g)
+    lives = []
+    for group in alias_groups(g):
+        members = sorted(group, key=lambda n: (nodes[n]["start"], order[n]))
+        rep = nodes[members[0]]
+        end = held_to(g, members, last_use)
+        if "storage_nbytes" in rep:  # a buffer a fusion region allocates, some of which its outputs view
+            nbytes = rep["storage_nbytes"]
+        else:
+            nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
+        lives.append(Life(members[0], tuple(members), nbytes, rep["start"], end))
+    lives.sort(key=lambda life: (life.start, order[life.name]))
+    return {life.name: life for life in lives}
+
+
+def last_uses(graph: nx.DiGraph) -> dict[str, int]:
+    """The last step that really uses each tensor (``max(uses(graph, [name]))``), for every tensor with a use, in one
+    pass over the steps."""
+    nodes, last = graph.nodes, {}
+    for i in graph:
+        if type(i) is int and not _is_bookkeeping(nodes[i]["bsym"]):
+            for name in graph.pred[i]:
+                if last.get(name, -1) < i:
+                    last[name] = i
+    return last
+
+
+def held_to(graph: nx.DiGraph, names: Iterable[str], last_use: Mapping[str, int]) -> int:
+    """The last step any of ``names`` is held to: its last use, or where it is held without uses."""
+    nodes = graph.nodes
+    return max(max(last_use.get(n, 0), nodes[n]["held_until"]) for n in names)
+
+
+def storage_of(lives: Mapping[str, Life]) -> dict[str, Life]:
+    """Tensor name -> the life of the storage it belongs to."""
+    return {m: life for life in lives.values() for m in life.members}
+
+
+def span_bytes(spans: Iterable[tuple[int, int, int]], n_steps: int) -> np.ndarray:
+    """Bytes live at each of ``n_steps`` steps, summed over ``(start, end, nbytes)`` spans (inclusive)."""
+    arr = np.asarray(list(spans), dtype=np.int64).reshape(-1, 3)
+    delta = np.zeros(n_steps + 1, dtype=np.int64)
+    np.add.at(delta, arr[:, 0], arr[:, 2])
+    np.add.at(delta, arr[:, 1] + 1, -arr[:, 2])
+    return np.cumsum(delta[:-1])
+
+
+def life_spans(lives: Iterable[Life]) -> Iterable[tuple[int, int, int]]:
+    return ((life.start, life.end, life.nbytes) for life in lives)
+
+
+def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
+    """Bytes live at each step, summed over the lives (each live on [start, end], inclusive)."""
+    live = span_bytes(life_spans(lives.values()), len(steps)).tolist()
+    backward_start = next((s.index for s in steps if s.phase == "backward"), len(steps))
+    return Timeline(tuple(steps), tuple(live), backward_start)
+
+
+def with_sharding(
+    lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedStorages]
+) -> dict[str, Life]:
+    """The lives after sharding: each group's storages end at ``shard_at``; ``"<group>.shard"``
+    (``shard_nbytes``) lives [shard_at, shard_until]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all
+    its storages, whose backward uses it serves) lives [gather_at, the last end of its storages]; ``"<group>.scratch"``
+    (``scratch_nbytes``, where not 0: the collective's own temporary) lives [gather_at, first_use]. Raises
+    ``ValueError`` for an order that the pass cannot produce.
+    """
+    out = dict(lives)
+    for s in groups:
+        members = [lives[n] for n in s.lives]
+        in_fw, in_bw = steps[s.shard_at].phase == "forward", steps[s.gather_at].phase == "backward"
+        until = s.first_use if s.shard_until is None else s.shard_until
+        ok = in_fw and in_bw and s.shard_at < s.gather_at <= s.first_use <= until
+        if not (ok and members and all(m.start <= s.shard_at and s.first_use <= m.end for m in members)):
+            spans = ", ".join(f"{m.name} [{m.start}, {m.end}]" for m in members)
+            raise ValueError(f"cannot shard {spans} as {s}")
+        for m in members:
+            out[m.name] = replace(m, end=s.shard_at)
+        out[f"{s.name}.shard"] = Life(f"{s.name}.shard", (), s.shard_nbytes, s.shard_at, until)
+        everyone = tuple(n for m in members for n in m.members)
+        out[f"{s.name}.gathered"] = Life(f"{s.name}.gathered", everyone, s.gathered_nbytes, s.gather_at,
+                                         max(m.end for m in members))
+        if s.scratch_nbytes:
+            out[f"{s.name}.scratch"] = Life(f"{s.name}.scratch", (), s.scratch_nbytes, s.gather_at, s.first_use)
+    return out
+
+
+@dataclass(frozen=True)
+class CompactedStorage:
+    """What compacting the saved views of one storage does (steps of the unmodified program): the storage ends at
+    ``compact_at`` (the last forward use of any tensor viewing it), and each saved view ``members[k]`` is a compact
+    copy of ``nbytes[k]`` bytes from ``compact_at`` to ``ends[k]`` (its last use, or that of a view of it)."""
+
+    life: str
+    members: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    compact_at: int
+    ends: tuple[int, ...]
+
+
+def with_compaction(lives: Mapping[str, Life], compactions: Iterable[CompactedStorage]) -> dict[str, Life]:
+    """The lives after compaction: each storage ends at ``compact_at``; ``"<life>.compact<k>"`` is the compact copy of
+    its ``k``-th saved view. Raises ``ValueError`` for a storage that does not outlive ``compact_at``."""
+    out = dict(lives)
+    for c in compactions:
+        life = lives[c.life]
+        if not life.start <= c.compact_at < min(c.ends) or max(c.ends) > life.end:
+            raise ValueError(f"cannot compact {life.name} [{life.start}, {life.end}] as {c}")
+        out[c.life] = replace(life, end=c.compact_at)
+        for k, (m, nbytes, end) in enumerate(zip(c.members, c.nbytes, c.ends)):
+            out[f"{c.life}.compact{k}"] = Life(f"{c.life}.compact{k}", (m,), nbytes, c.compact_at, end)
+    return out
+

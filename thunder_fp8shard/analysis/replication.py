@@ -1,0 +1,167 @@
+"""Replication analysis: which proxies of a forward trace hold the same value on every rank of a process group.
+
+A pure function over the trace's data flow. A value is *replicated* when it is an all-gather over the group, or is
+produced by an operation this analysis understands to be deterministic from replicated inputs and constants only.
+Everything else is *per-rank*, with the reason traced back to its origin: the rank's own inputs and parameter
+shards, random numbers, operations whose results may differ bit-wise between runs, collectives over other groups,
+and any operation the analysis does not understand.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import DistParallelType, Proxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
+
+# prims whose result is not a deterministic function of their inputs
+_RANDOM_PRIMS = {PrimIDs.UNIFORM, PrimIDs.UNIFORM_PHILOX, PrimIDs.RANDINT, PrimIDs.RANDN, PrimIDs.MULTINOMIAL,
+                 PrimIDs.GET_AND_UPDATE_RNG_STATE}
+_UNINITIALIZED_PRIMS = {PrimIDs.EMPTY}
+_ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, PrimIDs.EMBEDDING_BACKWARD}
+_OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
+_BOOKKEEPING = {PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT}
+
+_EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")  # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
+_ALL_GATHER = "torch_all_gather_prim_impl"
+_OTHER_COLLECTIVES = ("torch_all_reduce", "torch_reduce_scatter", "torch_broadcast", "torch_pack", "torch_unpack")
+_WAIT = "torch_wait_prim_impl"
+TE_LINEAR_FWD = "te_functional_linear_fwd"
+TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
+
+
+@dataclass(frozen=True)
+class Replication:
+    """The verdict for every proxy name of a trace: replicated, or per-rank with the reason why."""
+
+    replicated: frozenset[str]
+    per_rank: dict[str, str] = field(default_factory=dict)
+
+    def is_replicated(self, name: str) -> bool:
+        return name in self.replicated
+
+    def reason(self, name: str) -> str:
+        if name in self.replicated:
+            return "identical on every rank (derived only from replicated roots and constants)"
+        return self.per_rank.get(name, "not produced in the forward trace")
+
+
+def analyze_replication(
+    trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset(), input_reasons: Mapping[str, str] | None = None
+) -> Replication:
+    """Classifies every proxy of ``trace``; ``group`` is the process group the tensors would be sharded over.
+
+    The roots of replication are the all-gathers over ``group`` and the trace inputs named in ``replicated_inputs``
+    (e.g. the parameters under DDP, see :mod:`thunder_fp8shard.distributed.integrations`); every other input is per-rank, for the
+    reason ``input_reasons`` gives (the setup's words) or as the rank's own input.
+    """
+    input_reasons = input_reasons or {}
+    replicated: set[str] = set()
+    per_rank: dict[str, str] = {}
+    for arg in _flat_proxies(trace.args) + _flat_proxies(list(trace.kwargs.values())):
+        if arg.name in replicated_inputs:
+            replicated.add(arg.name)
+        else:
+            per_rank[arg.name] = input_reasons.get(arg.name) or _input_reason(arg)
+
+    def origin(p: Proxy) -> str | None:
+        """None when ``p`` is replicated, else the reason it is not."""
+        if p.name in replicated:
+            return None
+        return per_rank.get(p.name, f"`{p.name}` comes from outside the trace")
+
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id in _BOOKKEEPING or _is_unpack(bsym):
+            continue
+        for out, why in _verdicts(bsym, group, origin):
+            if why is None:
+                replicated.add(out.name)
+            else:
+                per_rank.setdefault(out.name, why)
+    return Replication(frozenset(replicated), per_rank)
+
+
+def _verdicts(bsym: BoundSymbol, group, origin):
+    """(output proxy, None or reason) for each output of ``bsym``."""
+    outs = list(bsym.flat_proxy_outs)
+    name = bsym.sym.name
+    if name == _ALL_GATHER:
+        same_group = bsym.args[1] is group
+        why = None if same_group else "an all-gather over another process group"
+        return [(o, why) for o in outs]
+    if name == _WAIT:
+        return [(o, origin(bsym.args[0])) for o in outs]
+    if name.startswith(TE_LINEAR_FWD):
+        a, w, bias = bsym.args[:3]
+        out, qa, qw = bsym.output
+        return [(out, _first_origin([a, w, bias], origin)), (qa, _first_origin([a], origin)),
+                (qw, _first_origin([w], origin))]
+    if name.startswith(TE_SCALE_UPDATE):  # passes its tokens through (it updates scales as a side effect)
+        tokens = bsym.kwargs.get("tokens", ())
+        return [(o, origin(t)) for o, t in zip(bsym.output, tokens)]
+    problem = _nondeterminism(bsym)
+    if problem is not None:
+        return [(o, problem) for o in outs]
+    why = _first_origin(bsym.flat_proxy_args, origin)
+    return [(o, why) for o in outs]
+
+
+def _nondeterminism(bsym: BoundSymbol) -> str | None:
+    """None when ``bsym`` is a deterministic function of its inputs, else what it is."""
+    if bsym.sym.name.startswith(_OTHER_COLLECTIVES):
+        return f"{bsym.sym.name}, a collective the replication analysis does not model"
+    prim = _prim_id(bsym)
+    if prim is not None:
+        if prim in _RANDOM_PRIMS:
+            return f"random numbers ({bsym.sym.name})"
+        if prim in _UNINITIALIZED_PRIMS:
+            return f"uninitialized memory ({bsym.sym.name})"
+        if prim in _ATOMIC_PRIMS:
+            return f"{bsym.sym.name}, which may accumulate in a different order on every run"
+        if prim in _OPAQUE_PRIMS:
+            return f"{bsym.sym.name}, which the replication analysis does not model"
+        return None
+    if bsym.subsymbols:
+        for sub in bsym.subsymbols:
+            problem = _nondeterminism(sub)
+            if problem is not None:
+                return problem
+        return None
+    return f"{bsym.sym.name}, which the replication analysis does not understand"
+
+
+def _prim_id(bsym: BoundSymbol) -> PrimIDs | None:
+    if bsym.sym.is_prim and isinstance(bsym.sym.id, PrimIDs):
+        return bsym.sym.id
+    # executors implement prims under the prim's name ("uniform") or as "torch_<prim>_prim_impl"
+    m = _EXECUTOR_PRIM.match(bsym.sym.name)
+    return PrimIDs.__members__.get((m.group(1) if m else bsym.sym.name).upper())
+
+
+def _first_origin(proxies, origin) -> str | None:
+    for p in _flat_proxies(proxies):
+        why = origin(p)
+        if why is not None:
+            return why if why.startswith("derived from") else f"derived from {why}"
+    return None
+
+
+def _input_reason(arg: Proxy) -> str:
+    if getattr(arg, "distparallel_type", None) == DistParallelType.FULLY_SHARDED:
+        return f"this rank's parameter shard `{arg.name}`"
+    return f"the rank's input `{arg.name}`"
+
+
+def _is_unpack(bsym: BoundSymbol) -> bool:
+    return isinstance(bsym.sym.id, PrimIDs) and bsym.sym.id.name.startswith(("UNPACK", "CHECK", "ASSERT"))
+
+
+def _flat_proxies(xs) -> list[Proxy]:
+    from thunder.core.pytree import tree_flatten
+
+    flat, _ = tree_flatten(xs)
+    return [x for x in flat if isinstance(x, Proxy)]

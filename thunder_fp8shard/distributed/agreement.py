@@ -1,0 +1,222 @@
+"""Every rank compiles the same collectives: the plan's per-rank inputs are agreed before planning, and the plan's
+collectives are compared across the ranks, once per compilation, before any of them runs.
+
+A plan is a pure function of the program (the same traces on every rank), the options and the memory the step runs
+in besides the program (:mod:`thunder_fp8shard.memory.resident`). That memory can differ between ranks: what each rank's
+device allocator holds while compiling (:mod:`thunder_fp8shard.memory.device`), and ``resident_bytes``,
+``loss_bytes`` or ``optimizer_states`` where a user passes rank-dependent values; so can ``budget_bytes``. The
+grouping's headroom rule and the ``peak``/``budget`` policies turn such differences into different buckets, i.e.
+collectives of different sizes on different ranks: a gloo abort, over NCCL a hang or wrong bytes in the gradients.
+
+:func:`agree` therefore takes, in one all-reduce MAX over the shard group (the ranks that run the plan's collectives
+together: the setup's group, or with ``shard_group_size`` this rank's subgroup), each memory term's largest
+bytes over the ranks (every rank plans for the fullest device) and the smallest ``budget_bytes`` (the tightest
+target). The plan is then the same on every rank by construction. Every rank compiles the same programs in the same
+order (under ThunderFX one subgraph at a time, in the same order), so each compilation's all-reduce is matched.
+
+:func:`check` then all-gathers a SHA-256 digest of what defines the plan's collectives (:func:`collectives`: world
+size, method, shard ops, buckets, byte sizes, where each collective is issued and in which order). The digests have a
+fixed size, so the check itself cannot mismatch. Where they differ every rank sees it: all ranks all-gather the
+readable descriptions and raise the same error, naming what differs, before any shard collective has run.
+
+Both run their collectives through a :class:`Collectives` (torch.distributed's; injected into the transform,
+``ShardIntermediates.inject(collectives=...)``, where a test gives its own). They run on the device the group's
+backend needs: the current CUDA device for NCCL, the CPU otherwise (gloo, and torch's fake process group, whose
+collectives return at once without writing: the agreed values are then this rank's own, and every digest this
+rank's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, AgreedValue, MemoryTerm, ShardPlan
+
+ABSENT = -(1 << 62)  # a slot this rank does not fill: every MAX takes any other rank's value over it
+MAX_TERMS = 16  # every rank sends this many terms' slots, padded (see encode)
+SHOWN = 3  # differing fields named per rank in the mismatch error
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank plans with, and (``values``, for the plan) what was agreed against this rank's own."""
+
+    terms: tuple[MemoryTerm, ...]
+    budget_bytes: int | None
+    values: tuple[AgreedValue, ...]
+
+
+def collective_device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Collectives:
+    """The agreement's collectives over a process group, torch.distributed's: what :func:`agree`, :func:`largest` and
+    :func:`check` send and receive, and nothing else. A test injects its own (a subclass) to plant what the other
+    ranks say."""
+
+    def size(self, group) -> int:
+        return dist.get_world_size(group)
+
+    def ranks(self, group) -> list[int]:
+        return dist.get_process_group_ranks(group)
+
+    def all_reduce_max(self, values: Sequence[int], group) -> list[int]:
+        """Each slot's largest value over the ranks (in place: a fake group leaves this rank's own)."""
+        reduced = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        return reduced.tolist()
+
+    def all_gather_digests(self, digest: bytes, group) -> list[bytes]:
+        """Every rank's digest (all of one size), in rank order (a fake group leaves this rank's everywhere)."""
+        world_size = self.size(group)
+        mine = torch.tensor(list(digest), dtype=torch.uint8, device=collective_device(group))
+        everyone = mine.repeat(world_size)  # what a fake group leaves in place: every rank's digest this rank's
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+        return [bytes(d.tolist()) for d in everyone.view(world_size, -1).cpu()]
+
+    def all_gather_object(self, obj, group) -> list:
+        out: list = [None] * self.size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+
+TORCH_COLLECTIVES = Collectives()
+
+
+def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group,
+          comm: Collectives = TORCH_COLLECTIVES) -> Agreement:
+    """The terms and the budget every rank of ``group`` plans with (one all-reduce MAX of :func:`encode`'s vector;
+    see :func:`settle`). With one rank, or no group (compaction alone), there is nothing to agree."""
+    if group is None or comm.size(group) < 2:
+        return Agreement(tuple(terms), budget_bytes, ())
+    return settle(terms, budget_bytes, comm.all_reduce_max(encode(terms, budget_bytes), group))
+
+
+def largest(value: int, group, comm: Collectives = TORCH_COLLECTIVES) -> int:
+    """The largest ``value`` over the ranks of ``group`` (one all-reduce MAX; ``value`` itself with one rank or no
+    group): the calibration's reading of the device peak, so that every rank decides alike."""
+    if group is None or comm.size(group) < 2:
+        return value
+    return int(comm.all_reduce_max([value], group)[0])
+
+
+def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
+    """This rank's slots for the all-reduce MAX: for each term its bytes, its first step negated and its last step
+    (``0, ABSENT, ABSENT`` for a term without spans), padded with such empty slots to :data:`MAX_TERMS` terms, then
+    the budget negated (MAX of the negated values is the smallest).
+
+    Its length is ``3 * MAX_TERMS + 1`` on every rank. :func:`thunder_fp8shard.memory.resident.step_terms` gives the same
+    terms in the same order whatever was measured or given, but for the workspaces a rank could not force: one
+    unknown term each, last, and empty, so that another rank's padding stands where this rank has one, and the
+    all-reduce is matched whatever each rank's device did."""
+    if len(terms) > MAX_TERMS:
+        raise ValueError(f"ShardIntermediates: {len(terms)} memory terms, more than the {MAX_TERMS} the agreement sends")
+    slots = []
+    for t in terms:
+        if t.spans:
+            slots += [t.nbytes, -min(s for s, _, _ in t.spans), max(e for _, e, _ in t.spans)]
+        else:
+            slots += [0, ABSENT, ABSENT]
+    slots += [0, ABSENT, ABSENT] * (MAX_TERMS - len(terms))
+    return [*slots, -budget_bytes if budget_bytes is not None else ABSENT]
+
+
+def settle(terms: Sequence[MemoryTerm], budget_bytes: int | None, reduced: Sequence[int]) -> Agreement:
+    """The agreement from the reduced slots (pure). A term of at most one span (resident at the call, persistent
+    workspaces, loss, optimizer state) becomes one span of the largest bytes over the steps any rank put it on;
+    where that is not this rank's own, its source becomes ``AGREED``. A term of several spans is modelled from the
+    program's steps alone, the same on every rank, and is kept (:func:`check` would catch it otherwise). The plan
+    lists the terms measured or given on this rank, those another rank raised, and the budget."""
+    if len(reduced) != 3 * MAX_TERMS + 1 or len(terms) > MAX_TERMS:
+        raise ValueError(f"ShardIntermediates: {len(reduced)} agreed slots for {len(terms)} memory terms")
+    out, values = [], []
+    for k, t in enumerate(terms):
+        nbytes, first, last = reduced[3 * k], -reduced[3 * k + 1], reduced[3 * k + 2]
+        agreed = t
+        if len(t.spans) <= 1 and nbytes and ((first, last, nbytes),) != t.spans:
+            agreed = MemoryTerm(t.name, AGREED, f"{t.how} ({t.nbytes:,} B on this rank): planned with the largest "
+                                "over the ranks", ((first, last, nbytes),))
+        if agreed is not t or t.source in (MEASURED, GIVEN):
+            values.append(AgreedValue(t.name, agreed.nbytes, t.nbytes, "largest"))
+        out.append(agreed)
+    budget = -reduced[-1] if budget_bytes is not None else None  # a rank without a budget plans without one
+    if budget is not None:
+        values.append(AgreedValue("budget_bytes", budget, budget_bytes, "smallest"))
+    return Agreement(tuple(out), budget, tuple(values))
+
+
+def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
+    """What defines the collectives a plan runs, as ``(field, value)`` pairs in a fixed order: world size, method,
+    ``verify`` (a digest all-gather per member at shard time), the process group, each shard op (bytes, where, which
+    buckets), each bucket (its part of the shard op, its members' bytes, the gathered bytes, where its all-gather is
+    issued and waited) and the order the all-gathers are issued in. Steps are the unmodified joint program's, the
+    same on every rank; tensor names are left out."""
+    nbytes_of = {d.name: d.nbytes for d in plan.decisions}
+    op_nbytes = plan.shard_op_nbytes
+    fields = [("world size", str(plan.world_size)), ("shard group size", str(plan.k)), ("method", plan.method),
+              ("verify", str(verify)),
+              ("process group", plan.comm), ("shard ops", str(len(op_nbytes)))]
+    for op, nbytes in sorted(op_nbytes.items()):
+        mine = [b for b in plan.buckets if b.shard_op == op]
+        fields.append((f"shard op {op}", f"{nbytes:,} B a rank after step {max(b.shard_at for b in mine)}, keeping "
+                       f"bucket(s) {', '.join(str(b.index) for b in mine)}"))
+    fields.append(("buckets", str(len(plan.buckets))))
+    for b in plan.buckets:
+        sizes = ", ".join(f"{nbytes_of.get(n, 0):,}" for n in b.members)
+        fields.append((f"bucket {b.index}", f"bytes {b.shard_offset:,}-{b.shard_offset + b.shard_nbytes:,} of shard op "
+                       f"{b.shard_op}, members of {sizes} B, {b.gathered_nbytes:,} B gathered, issued at step "
+                       f"{b.gather_at}, waited before step {b.first_use}"))
+    order = sorted(plan.buckets, key=lambda b: (b.gather_at, b.index))
+    fields.append(("gather order", ", ".join(str(b.index) for b in order) or "-"))
+    # fp8_forward_gather: a weight gathered in FP8 on one rank and in bf16 on another would hang the forward
+    fields += [(f"forward gather {i}", f"{'x'.join(map(str, g.shape))} {'fp8' if g.fp8 else 'bf16'}")
+               for i, g in enumerate(getattr(plan, "forward_gather", ()))]
+    return fields
+
+
+def digest(fields: Sequence[tuple[str, str]]) -> bytes:
+    """SHA-256 of the fields (32 bytes)."""
+    return hashlib.sha256("\n".join(f"{k}: {v}" for k, v in fields).encode()).digest()
+
+
+def check(plan: ShardPlan, group, *, verify: bool, comm: Collectives = TORCH_COLLECTIVES) -> None:
+    """Raises the same error on every rank of ``group`` when the ranks' plans differ in their collectives (one
+    all-gather of 32-byte digests; where they differ, one ``all_gather_object`` of the descriptions to name what).
+    With one rank there is nothing to compare."""
+    if comm.size(group) < 2:
+        return
+    fields = collectives(plan, verify=verify)
+    digests = comm.all_gather_digests(digest(fields), group)
+    if all(d == digests[0] for d in digests):
+        return
+    described = comm.all_gather_object(fields, group)  # every rank is here: all saw the same digests
+    raise RuntimeError(mismatch_message(described, comm.ranks(group)))
+
+
+def mismatch_message(described: Sequence[Sequence[tuple[str, str]]], ranks: Sequence[int]) -> str:
+    """The error every rank raises (pure: the same text from the same descriptions): for each rank whose plan differs
+    from the first rank's, the first fields that differ with both values."""
+    first = dict(described[0])
+    parts = []
+    for r, fields in zip(ranks[1:], described[1:]):
+        theirs = dict(fields)
+        differ = [k for k in dict.fromkeys([*first, *theirs]) if first.get(k) != theirs.get(k)]
+        if not differ:
+            continue
+        shown = "; ".join(f"{k}: rank {ranks[0]} '{first.get(k, '(none)')}', rank {r} '{theirs.get(k, '(none)')}'"
+                          for k in differ[:SHOWN])
+        more = f"; and {len(differ) - SHOWN} more field(s)" if len(differ) > SHOWN else ""
+        parts.append(f"rank {r} differs from rank {ranks[0]} in {shown}{more}")
+    what = ". ".join(parts) or "the digests differ although the descriptions agree"
+    return ("ShardIntermediates: the ranks planned different collectives for this compilation, so none of them runs "
+            f"(they would hang, abort or corrupt the gradients). {what}. The memory terms and budget_bytes are agreed "
+            "across the ranks before planning; other options must be the same on every rank.")

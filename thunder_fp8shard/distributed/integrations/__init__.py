@@ -1,0 +1,52 @@
+"""Integrations: how a distributed setup tells the pass its process group and which values are identical on every rank.
+
+Each integration is one small module with ``detect(compile_data, options) -> Integration | None``
+(:class:`~thunder_fp8shard.distributed.integrations.base.Integration`, what every integration returns). The pass asks them in
+:data:`INTEGRATIONS` order while compiling and uses the first that recognizes the compilation; the replication
+analysis then starts from the integration's *replicated roots*: the all-gathers over its group (always), plus the
+trace inputs it names (:meth:`Integration.replicated_inputs`). A new setup is one more module here.
+
+The process group is the setup's own (FSDP's, DDP's, FSDP2's shard group). Where a setup names none, the pass takes
+the ``group=`` option; where it names one, ``group=`` (if given) must span the same ranks. A setup whose replicated
+values are identical on more ranks than its group's (FSDP2 HSDP: the whole mesh, its group the mesh's shard dimension)
+names them in :attr:`Integration.replica_ranks`; ``shard_group_size`` partitions those (see
+:mod:`thunder_fp8shard.distributed.shard_groups`).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from thunder_fp8shard.distributed.integrations import fsdp2_thunderfx, thunder_ddp, thunder_fsdp
+from thunder_fp8shard.distributed.integrations.base import Integration, group_of
+
+__all__ = ["INTEGRATIONS", "USAGE", "Integration", "detect", "group_of"]
+
+
+INTEGRATIONS = (thunder_fsdp.detect, thunder_ddp.detect, fsdp2_thunderfx.detect)
+
+USAGE = (
+    "ShardIntermediates needs Thunder FSDP or DDP, or FSDP2 under ThunderFX: use thunder.jit(model, "
+    "transforms=[FSDPTransform(...), ShardIntermediates()]), thunder.distributed.fsdp(thunder.jit(model, "
+    "transforms=[ShardIntermediates()])), thunder.distributed.ddp(thunder.jit(model, "
+    f"transforms=[ShardIntermediates()])); {fsdp2_thunderfx.USAGE}"
+)
+
+
+def detect(compile_data, options) -> Integration:
+    """The integration of this compilation; raises a clear error when there is none, or no process group."""
+    for find in INTEGRATIONS:
+        found = find(compile_data, options)
+        if found is not None:
+            if not dist.is_initialized():
+                raise RuntimeError("ShardIntermediates needs an initialized torch.distributed process group")
+            given = options.group
+            if given is not None and given is not found.group and (
+                    dist.get_process_group_ranks(given) != dist.get_process_group_ranks(found.group)):
+                raise ValueError(
+                    f"ShardIntermediates: group= spans ranks {dist.get_process_group_ranks(given)}, but {found.name} "
+                    f"works over ranks {dist.get_process_group_ranks(found.group)}; leave group= out (the setup names "
+                    "its group) or pass one over the same ranks"
+                )
+            return found
+    raise RuntimeError(USAGE)

@@ -1,0 +1,27 @@
+"""Thunder's DDP (``thunder.distributed.ddp``): the parameters are identical on every rank (broadcast when the model is
+wrapped, then updated with all-reduced gradients), so the replicated roots are the trace inputs that DDP marks
+``REPLICATED``; the shards travel on DDP's process group. That is DDP's contract: with ``ddp(...,
+broadcast_from=None)`` identical starting weights are the caller's promise, which ``verify=True`` checks.
+"""
+
+from __future__ import annotations
+
+from thunder.core.proxies import DistParallelType, TensorProxy
+from thunder.core.pytree import tree_flatten
+
+from thunder_fp8shard.distributed.integrations.base import Integration, group_of
+
+
+def replicated_parameters(trace) -> frozenset[str]:
+    flat, _ = tree_flatten((trace.args, trace.kwargs))
+    return frozenset(
+        p.name for p in flat
+        if isinstance(p, TensorProxy) and getattr(p, "distparallel_type", None) == DistParallelType.REPLICATED
+    )
+
+
+def detect(cd, options):
+    group = group_of(cd, "use_ddp")
+    if group is None:
+        return None
+    return Integration("Thunder DDP", group, replicated_inputs=replicated_parameters)

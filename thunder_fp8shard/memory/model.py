@@ -1,0 +1,161 @@
+"""The memory model: the unmodified joint program's storages and steps, where every candidate sits on them, the
+storages saved views could be compacted out of, and the memory the step runs in besides the program. Plain data,
+built once per compilation by :func:`memory_model`, and the one evaluator of choices: the planner
+(:mod:`thunder_fp8shard.planning.planner`) and the grouping (:mod:`thunder_fp8shard.planning.grouping`) ask it what a set of buckets
+and compactions makes of the live bytes (:meth:`MemoryModel.change`, on the storages they touch alone) and what the
+device holds at each step (:meth:`MemoryModel.live_bytes`, :meth:`MemoryModel.evaluate`: the program's storages of
+:mod:`thunder_fp8shard.analysis.liveness` plus the terms of :mod:`thunder_fp8shard.memory.resident`, so that peaks and budgets are
+device bytes). Nothing here rewrites a trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate
+from thunder_fp8shard.analysis.compaction import compaction_options
+from thunder_fp8shard.analysis.liveness import (
+    CompactedStorage, Life, ShardedStorages, Step, Timeline, is_compute, joint_graph, life_spans, program_steps,
+    span_bytes, storage_lives, storage_of, uses, with_compaction, with_sharding,
+)
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import Bucket, Compaction, MemoryTerm
+from thunder_fp8shard.analysis.saved import forward_saved, model_io_names
+from thunder_fp8shard.memory.resident import step_terms, term_lives
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a candidate sits on the joint timeline (step indices of the unmodified program)."""
+
+    life: str  # name of its storage's Life
+    shard_at: int  # its last forward use: the shard replaces it right after
+    first_use: int  # its first backward consumer: the wait goes right before
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The unmodified joint program's storages, steps and the placement of every candidate, and the memory the
+    step runs in besides the program (``terms``)."""
+
+    lives: dict[str, Life]
+    steps: tuple[Step, ...]
+    placements: dict[str, Placement]  # by candidate name; missing when a candidate is never used in backward
+    compute: tuple[bool, ...]  # per step: False for bookkeeping (del, clears, unpacks, return)
+    terms: tuple[MemoryTerm, ...] = ()
+    compactions: tuple[Compaction, ...] = ()  # the storages saved views could be compacted out of (none taken)
+    # the shard group's all-gather holds a temporary of its whole output while in flight (gloo on the CPU: measured,
+    # tests/test_property.py); counted from each gather's issue to its wait
+    gather_scratch: bool = False
+
+    def compute_steps_between(self, first: int, last: int) -> int:
+        """Compute steps strictly between two steps."""
+        if last <= first + 1:
+            return 0
+        return int(self._compute_before[last] - self._compute_before[first + 1])
+
+    @functools.cached_property
+    def _compute_before(self) -> np.ndarray:
+        """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
+        return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
+
+    def evaluate(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
+                 terms: bool = True) -> Timeline:
+        """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planning.grouping.group`) are sharded
+        and ``compactions`` made (``terms=False``: the program's own tensors only)."""
+        live = self.live_bytes(buckets, compactions, terms=terms)
+        backward_start = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps))
+        return Timeline(self.steps, tuple(live.tolist()), backward_start)
+
+    def live_bytes(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
+                   terms: bool = True) -> np.ndarray:
+        """Bytes live at each step when ``buckets`` are sharded and ``compactions`` made (``terms``: with the memory
+        the step runs in besides the program)."""
+        live = self._program_bytes + self.change(buckets, compactions)
+        return live + self._term_bytes if terms else live
+
+    def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
+        """What sharding ``buckets`` and making ``compactions`` changes in the live bytes at each step, worked out on
+        the storages they touch alone (:func:`~thunder_fp8shard.analysis.liveness.with_sharding`,
+        :func:`~thunder_fp8shard.analysis.liveness.with_compaction`). Raises ``ValueError`` for a bucket the rewrite cannot
+        build."""
+        if not buckets and not compactions:
+            return np.zeros(len(self.steps), dtype=np.int64)
+        groups = [self.sharded_storages(b) for b in buckets]
+        touched = {name: self.lives[name] for g in groups for name in g.lives}
+        touched.update((c.storage, self.lives[c.storage]) for c in compactions)
+        after = with_compaction(with_sharding(touched, self.steps, groups), [compacted_storage(c) for c in compactions])
+        n = len(self.steps)
+        return span_bytes(life_spans(after.values()), n) - span_bytes(life_spans(touched.values()), n)
+
+    @functools.cached_property
+    def _program_bytes(self) -> np.ndarray:
+        return span_bytes(life_spans(self.lives.values()), len(self.steps))
+
+    @functools.cached_property
+    def _term_bytes(self) -> np.ndarray:
+        return span_bytes(life_spans(term_lives(list(self.terms)).values()), len(self.steps))
+
+    def sharded_storages(self, b: Bucket) -> ShardedStorages:
+        """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.analysis.liveness.with_sharding`."""
+        lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
+        return ShardedStorages(f"bucket{b.index}", lives, b.shard_nbytes, b.gathered_nbytes, b.shard_at, b.gather_at,
+                               b.first_use, b.shard_until, b.gathered_nbytes if self.gather_scratch else 0)
+
+    @property
+    def backward_body_start(self) -> int:
+        """First compute step of the backward: the rewrite issues the earliest gathers right before it."""
+        first_backward = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps) - 1)
+        return next((i for i in range(first_backward, len(self.steps)) if self.compute[i]), len(self.steps) - 1)
+
+
+def memory_model(
+    fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of, *, options: ShardOptions | None = None,
+    device=None, gather_scratch: bool = False,
+) -> MemoryModel:
+    """Builds the joint program's storages and steps, places every candidate on them, and adds the memory the step
+    runs in (:func:`thunder_fp8shard.memory.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
+    compiling, None on the CPU). Without ``options`` the model is the program's alone. ``gather_scratch``: the
+    shard group's all-gathers hold a temporary of their output while in flight (:func:`gathers_hold_scratch`)."""
+    graph = joint_graph(fw, bw)
+    lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
+    steps = program_steps(fw, bw)
+    life_of = storage_of(lives)
+    backward_start = graph.graph["backward_start"]
+    compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
+    placements = {}
+    for c in candidates:
+        life = life_of[c.name]
+        forward_uses = [u for u in uses(graph, life.members) if u < backward_start]
+        backward_uses = [u for u in uses(graph, [c.name]) if u >= backward_start and compute[u]]
+        if backward_uses:
+            placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
+    terms = tuple(step_terms(fw, bw, lives, options, device)) if options is not None else ()
+    # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
+    excluded = model_io_names(fw) | {c.name for c in candidates if c.kind == TE_FLOAT8}
+    compactions = tuple(compaction_options(graph, lives, forward_saved(fw)[0], excluded))
+    return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch)
+
+
+def gathers_hold_scratch(group, device: str | None) -> bool:
+    """Whether an all-gather over ``group`` of a program on ``device`` (None: the CPU; e.g. ``"cuda:0"``) holds a
+    temporary of its whole output in the program's memory while in flight: gloo's ``all_gather_into_tensor`` of CPU
+    tensors does (it gathers into a buffer of its own, then copies into the output; measured on the CPU with the
+    profiler's allocation events: a 16 MiB all-gather peaked at 32 MiB); of CUDA tensors its buffers are host
+    memory, not the device's; NCCL's and the fake group's hold none."""
+    import torch.distributed as dist
+
+    try:
+        return group is not None and device is None and dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):  # not a process group torch knows
+        return False
+
+
+def compacted_storage(c: Compaction) -> CompactedStorage:
+    """What compaction ``c`` does to its storage, for :func:`~thunder_fp8shard.analysis.liveness.with_compaction`."""
+    return CompactedStorage(c.storage, c.members, c.member_nbytes, c.compact_at, c.ends)

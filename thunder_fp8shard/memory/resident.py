@@ -1,0 +1,179 @@
+"""The memory a training step runs in besides the jitted program's own tensors: terms on the joint timeline.
+
+:mod:`thunder_fp8shard.analysis.liveness` counts what the joint forward+backward program allocates and takes; the device
+holds more while it runs. Each term here is a :class:`~thunder_fp8shard.plan.MemoryTerm` (plain data: bytes on
+spans of steps, and whether they were measured, modelled or given), built by a pure function of the traces, the
+program's storage lives, the options and what :mod:`thunder_fp8shard.memory.device` read from the device during
+compilation. The terms, in order:
+
+- **resident at the call** (measured; ``resident_bytes``: given): device bytes allocated when the first call
+  compiles, less the program's own tensor inputs on that device (the program counts those); every step. It holds
+  whatever lives then (optimizer state and gradients once the optimizer has stepped, other models). On the CPU
+  nothing tracks allocations: not counted.
+- **inputs held by the caller** (modelled): the forward's tensor inputs (parameter shards, the batch) from the
+  program's last use of each to the end of the backward: the module and the caller keep them.
+- **outputs held by the caller** (modelled): the forward's outputs from the end of the forward to the end of the
+  backward: the caller's reference, from which the loss is computed.
+- **loss** (modelled; ``loss_bytes``: given): computed outside the program between forward and backward, put on
+  the first backward step; rule: 2 x the bytes of the forward's floating-point outputs (cross-entropy: the saved
+  log-softmax and the gradient being computed from it; the gradient handed to the backward is the program's).
+- **optimizer state** (modelled; ``optimizer_states=0``: given): ``optimizer_states`` x the bytes of the gradients
+  the backward returns (each state the size of its parameter's local shard, as AdamW's two), every step. None (the
+  default): **unknown**, left out of the predicted peak, and the plan's headline says so and what Adam/AdamW would
+  add. The pass cannot find it: the optimizer is the caller's object, holds no trace the pass sees, and creates its
+  state at its first step, after the first call compiled (a later compilation's resident measurement holds it).
+- **persistent workspaces** (measured): what the device allocator gained when the pass forced the workspaces of
+  the program's kernels into existence while compiling (cuBLAS, on the calling and the autograd threads;
+  TransformerEngine's GEMM workspace when the program has TE ops); every step. On the CPU: none. A workspace that
+  could not be forced is its own term, **unknown** (``<kind> workspace``), with the reason.
+- **kernel workspaces** (modelled): transient scratch of known kernels at their own step: the sdpa backward
+  (flash, memory-efficient, cuDNN) keeps an fp32 accumulator the size of its output gradient.
+
+The terms are this rank's own. The pass agrees them across the ranks before planning (each term's largest value,
+:mod:`thunder_fp8shard.distributed.agreement`): measured and given terms can differ between ranks, the plan may not.
+
+Gradients are the program's: the backward returns them (from their reduce-scatter to its end), and after it they
+live in ``.grad`` until ``zero_grad``, outside the program; if they are kept between steps, the resident
+measurement of a later compilation sees them, or ``resident_bytes`` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from thunder.core import dtypes
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.liveness import Life, forward_return, storage_of
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm
+from thunder_fp8shard.reporting.format import fmt_bytes
+from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from thunder_fp8shard.memory.device import DeviceMemory
+    from thunder_fp8shard.options import ShardOptions
+
+# symbols whose kernel keeps an fp32 accumulator of its first tensor argument's shape (the output gradient)
+SDPA_BACKWARD = (
+    "sdpaex_scaled_dot_product_efficient_attention_backward",
+    "sdpafx_scaled_dot_product_efficient_attention_backward",
+    "cudnn_sdpa_bwd",
+)
+LOSS_COPIES = 2  # the loss rule: this many copies of the forward's floating-point outputs
+
+
+def step_terms(
+    fw: TraceCtx, bw: TraceCtx, lives: Mapping[str, Life], options: ShardOptions, device: DeviceMemory | None
+) -> list[MemoryTerm]:
+    """The terms of the step besides the program (see the module's docstring), for the program ``fw`` + ``bw``
+    whose storages are ``lives``; ``device`` is what was read from the device while compiling (None on the CPU)."""
+    n_steps = len(fw.bound_symbols) + len(bw.bound_symbols)
+    bw_start, last = len(fw.bound_symbols), n_steps - 1
+    life_of = storage_of(lives)
+    inputs = [p for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)]
+    outputs = list({p.name: p for p in forward_return(fw)[0]}.values())
+    input_storages = {life_of[p.name].name for p in inputs if p.name in life_of}
+    grads = _returned_gradients(bw)
+    return [
+        resident_at_call(inputs, device, options.resident_bytes, last),
+        held_by_caller("inputs held by the caller", inputs, life_of, last,
+                       "the forward's tensor inputs (parameter shards, the batch) after the program's last use, to "
+                       "the end of the backward"),
+        held_by_caller("outputs held by the caller",
+                       [p for p in outputs if p.name in life_of and life_of[p.name].name not in input_storages],
+                       life_of, last, "the forward's outputs from the end of the forward to the end of the backward"),
+        loss(outputs, options.loss_bytes, bw_start),
+        optimizer_state(grads, options.optimizer_states, last),
+        persistent_workspaces(device, last),
+        kernel_workspaces(bw, bw_start),
+        # last: the only terms whose number can differ between ranks (a workspace one rank could not force), and
+        # empty (unknown size, no steps): the agreement pads every rank's list to one length after them
+        *workspaces_not_forced(device),
+    ]
+
+
+def term_lives(terms: list[MemoryTerm]) -> dict[str, Life]:
+    """The terms as storage lives (``"term:<name>:<k>"``, one per span), to be added to the program's."""
+    return {f"term:{t.name}:{k}": Life(f"term:{t.name}:{k}", (), nbytes, start, end)
+            for t in terms for k, (start, end, nbytes) in enumerate(t.spans) if nbytes}
+
+
+def resident_at_call(inputs: list[TensorProxy], device: DeviceMemory | None, given: int | None, last: int) -> MemoryTerm:
+    name = "resident at the call"
+    if given is not None:
+        return MemoryTerm(name, GIVEN, "resident_bytes", ((0, last, given),))
+    if device is None:
+        return MemoryTerm(name, NOT_COUNTED, "not measured: no CUDA device among the program's inputs (CPU)")
+    own = sum(tensor_nbytes(p) for p in inputs if p.device.device_str() == device.device)
+    nbytes = max(device.allocated_bytes - own, 0)
+    return MemoryTerm(name, MEASURED, f"allocated on {device.device} at compilation ({device.allocated_bytes:,} B) "
+                      f"less the program's inputs there ({own:,} B)", ((0, last, nbytes),))
+
+
+def held_by_caller(name: str, proxies: list[TensorProxy], life_of: Mapping[str, Life], last: int, how: str) -> MemoryTerm:
+    """Each storage among ``proxies`` from the step after its program life ends to ``last``."""
+    storages = {life_of[p.name].name: life_of[p.name] for p in proxies if p.name in life_of}
+    spans = tuple((life.end + 1, last, life.nbytes) for life in storages.values() if life.end < last and life.nbytes)
+    return MemoryTerm(name, MODELLED, how, spans)
+
+
+def loss(outputs: list[TensorProxy], given: int | None, bw_start: int) -> MemoryTerm:
+    if given is not None:
+        return MemoryTerm("loss", GIVEN, "loss_bytes, at the first backward step", ((bw_start, bw_start, given),))
+    floating = sum(tensor_nbytes(p) for p in outputs if dtypes.is_float_dtype(p.dtype))
+    return MemoryTerm("loss", MODELLED, f"{LOSS_COPIES} x the forward's floating-point outputs (cross-entropy), at "
+                      "the first backward step", ((bw_start, bw_start, LOSS_COPIES * floating),))
+
+
+def optimizer_state(grads: list[TensorProxy], states: int | None, last: int) -> MemoryTerm:
+    name = "optimizer state"
+    grad_bytes = sum(tensor_nbytes(g) for g in grads)
+    if states is None:
+        return MemoryTerm(name, UNKNOWN, "unknown: pass optimizer_states (Adam, AdamW: 2, which would add 2 x the "
+                          f"gradients the backward returns = {fmt_bytes(2 * grad_bytes)}; SGD with momentum: 1; none, "
+                          "or already in resident_bytes or the resident measurement: 0)")
+    if not states:
+        return MemoryTerm(name, GIVEN, "optimizer_states=0: none, or held in the resident bytes")
+    return MemoryTerm(name, MODELLED, f"{states} x the gradients the backward returns",
+                      ((0, last, states * grad_bytes),))
+
+
+def persistent_workspaces(device: DeviceMemory | None, last: int) -> MemoryTerm:
+    name = "persistent workspaces"
+    if device is None:
+        return MemoryTerm(name, NOT_COUNTED, "CPU: none")
+    nbytes = sum(b for _, b in device.workspaces)
+    kinds = ", ".join(f"{kind} {b:,} B" for kind, b in device.workspaces) or "none"
+    return MemoryTerm(name, MEASURED, f"allocated when forced at compilation: {kinds}", ((0, last, nbytes),))
+
+
+def workspaces_not_forced(device: DeviceMemory | None) -> list[MemoryTerm]:
+    """One unknown term per workspace the pass could not force into existence: it exists at run time, its bytes are
+    not in the predicted peak."""
+    if device is None:
+        return []
+    return [MemoryTerm(f"{kind} workspace", UNKNOWN, f"could not be forced at compilation ({why})")
+            for kind, why in device.not_forced]
+
+
+def kernel_workspaces(bw: TraceCtx, bw_start: int) -> MemoryTerm:
+    spans = []
+    for j, bsym in enumerate(bw.bound_symbols):
+        if bsym.sym.name in SDPA_BACKWARD:
+            first = next(p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy))
+            spans.append((bw_start + j, bw_start + j, 4 * numel(first)))
+    return MemoryTerm("kernel workspaces", MODELLED, "sdpa backward: an fp32 accumulator of its output gradient's "
+                      f"shape ({len(spans)} call(s))", tuple(spans))
+
+
+def _returned_gradients(bw: TraceCtx) -> list[TensorProxy]:
+    """The tensors the backward returns (one gradient per differentiable forward input), each once."""
+    ret = bw.bound_symbols[-1] if bw.bound_symbols else None
+    if ret is None or ret.sym.id != PrimIDs.RETURN:
+        return []
+    found = {p.name: p for p in ret.flat_proxy_args if isinstance(p, TensorProxy)}
+    return list(found.values())

@@ -1,0 +1,124 @@
+"""The pass's stages in order, as one function of a compilation's traces: :func:`compile_plan` analyzes the joint
+program (:mod:`thunder_fp8shard.analysis`), agrees the per-rank inputs (:mod:`thunder_fp8shard.distributed`), plans
+(:mod:`thunder_fp8shard.planning`), checks that every rank planned the same collectives, rewrites the traces
+(:mod:`thunder_fp8shard.rewrite`) and arms the run-time checks (:mod:`thunder_fp8shard.runtime`). It reads and
+writes nothing of Thunder's: the transform (:mod:`thunder_fp8shard.transform`) hands it the traces and what it read
+while compiling, and installs what it returns. Its only effects are the collectives of the agreement and the check,
+over the shard group it is given. What it reads of the world (the device, the other ranks) and the two decisions the
+tests plant wrong on purpose come in as :class:`Seams`, never as patched module globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.analyze import analyze
+from thunder_fp8shard.analysis.replication import analyze_replication
+from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
+from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES, Collectives, agree, check, largest
+from thunder_fp8shard.distributed.integrations import Integration
+from thunder_fp8shard.distributed.shard_groups import ShardGroup
+from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe, program_device
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.planning.planner import choose, make_plan
+from thunder_fp8shard.rewrite import fp8_gather
+from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
+from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, calibration_term, expected_storages
+from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
+
+
+@dataclass(frozen=True)
+class Seams:
+    """What the pass reads of the world, and the two choices a test plants wrong on purpose; injected into the
+    transform (``ShardIntermediates.inject(...)``), which passes them to :func:`compile_plan`."""
+
+    device_probe: DeviceProbe = field(default_factory=DeviceProbe)  # the device's allocator, while compiling and at
+    # the calibration step
+    collectives: Collectives = TORCH_COLLECTIVES  # the agreement's and the check's, over the shard group
+    replication_analysis: Callable = analyze_replication  # which tensors are identical on every rank
+    chooser: Callable = choose  # the planner's choice of shards and compactions
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What :func:`compile_plan` returns: the plan, and the traces to run (with the first-call checks)."""
+
+    plan: ShardPlan
+    forward: TraceCtx
+    backward: TraceCtx
+    calibration: Calibration  # the backward's check; the caller sets ``on_done`` (it drops the checks from Thunder's cache)
+
+
+def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
+    """The plan's setup facts, nothing decided yet."""
+    o = options
+    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=[], saved_bytes_before=0,
+                  saved_bytes_after=0, bucket_bytes=o.bucket_bytes)
+    if setup is None:  # compaction alone: no distributed setup
+        return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", **common)
+    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=list(setup.notes),
+                     shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin, **common)
+
+
+def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integration | None,
+                 shards: ShardGroup | None, device: DeviceMemory | None, te_names: frozenset[str],
+                 calibration_bytes: int | None, on_miss: Callable[[int], None], name: str = "ShardIntermediates",
+                 seams: Seams = Seams()) -> Compiled:
+    """Plans the program ``fw`` + ``bw`` and rewrites it. ``setup``: the distributed setup (None: compaction alone);
+    ``shards``: this rank's shard group (the plan's collectives run on it); ``device``: what the device's allocator
+    said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
+    ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
+    calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
+    ``seams``: the device, the collectives and the two plantable choices."""
+    if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
+        raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
+    o = options
+    group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
+    k = shards.size if shards is not None else 1
+    extra = (calibration_term(calibration_bytes, len(fw.bound_symbols) + len(bw.bound_symbols) - 1),) if (
+        calibration_bytes) else ()
+    analysis = analyze(fw, bw, o, setup, device, te_names, extra, replication_analysis=seams.replication_analysis)
+    # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
+    agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
+    plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
+                            k, plan_header(o, setup, shards), agreed.values, chooser=seams.chooser)
+    for warning in warns:
+        warnings.warn(f"{name}: {warning}", stacklevel=3)
+    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
+                                 group=setup and setup.group, world_size=setup.world_size if setup else 1)
+    plan.forward_gather, plan.notes = list(fwd_gather.rows), [*plan.notes, *fwd_gather.notes]
+    if group is not None:
+        check(plan, group, verify=o.verify, comm=seams.collectives)  # before any collective of the plan
+    shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
+    n = sum(len(r.members) for op in shard_ops for r in op.buckets)
+    new_fw = rewrite_forward(
+        fw, shard_ops, group=group, world_size=k, method=o.method, verify=o.verify, compactions=compactions,
+        provenance=f"{name}: {n} saved tensors kept as 1/{k} shards of {len(plan.buckets)} "
+        f"bucket(s) by {len(shard_ops)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
+    )
+    new_bw, _ = rewrite_backward(
+        bw, new_fw, group=group, provenance=f"{name}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
+    )
+    audit = SavedAudit(plan, expected_storages(analysis.model, plan, new_fw),
+                       [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
+    calibration = Calibration(plan, program_device(fw), plan.budget_bytes,
+                              functools.partial(largest, group=group, comm=seams.collectives), on_miss, audit,
+                              peak=seams.device_probe.peak_allocated)
+    new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
+    fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
+    calls = operator_calls(fw_trace, new_bw)
+    plan.operator_calls = {op: n for op, n in calls.items() if op not in CHECK_NAMES}
+    plan.check_calls = {op: calls[op] for op in CHECK_NAMES}
+    if fwd_gather.sites:
+        gather_calls = fp8_gather.operator_calls(fw_trace)
+        plan.operator_calls.update(gather_calls)
+        plan.forward_gather_calls = (fwd_gather.calls_replaced, sum(gather_calls.values()))
+    return Compiled(plan, fw_trace, new_bw, calibration)

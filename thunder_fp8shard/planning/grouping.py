@@ -1,0 +1,174 @@
+"""Which sharded tensors travel together: buckets (one all-gather each) and shard ops (one each in forward, keeping
+the shards of one or more consecutive buckets in one tensor). Pure functions over plain data.
+
+Fewer, larger collectives and shard ops cost the CPU less (a training step that is CPU-bound pays for every
+operator), but a bucket is gathered whole, and a shard op runs only after the last forward use of all its members:
+larger groups hold more bytes at once. So groups grow only where that is free: tensors are taken in order of first
+backward use, starting one a bucket and one bucket a shard op; each next one joins the current group when the
+group stays within ``bucket_bytes``, the shard still has compute to hide behind before its all-gather, and the
+memory model predicts that wherever the grouping holds more bytes than one tensor a bucket would, the step stays
+at least :data:`HEADROOM` below the predicted peak. The margin is the model's accuracy on the device (a merge that
+looks free right under the predicted peak may not be; benchmarks/README.md has what a rule without it gave up). Near the backward's peak,
+at its start, the buckets stay small; further on, where activations have been freed, they grow to whole layers.
+
+``place`` turns a grouping into :class:`~thunder_fp8shard.plan.Bucket`\\ s, as the rewrite will build them.
+``place_compactions`` says which call makes each compaction's copies: a compaction is moved later, to the step of
+the first shard op at or after its own, and made by that op's call, or else batched with the next compactions into
+one call at the last one's step, each only where the memory model predicts that the peak does not rise (the forward
+is usually far below it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from thunder_fp8shard.planning.layout import bucket_layout, packed_offsets
+from thunder_fp8shard.memory.model import MemoryModel
+from thunder_fp8shard.plan import Bucket, Compaction, Decision
+
+HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
+
+
+def place(
+    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, world_size: int
+) -> list[Bucket]:
+    """The :class:`Bucket`\\ s of a grouping: ``buckets`` lists the members of each bucket, buckets in order of first
+    backward use; ``ops[j]`` is the shard op of bucket ``j`` (non-decreasing, consecutive buckets share an op).
+
+    A bucket is gathered before the first backward use of any member; its all-gather is issued at the first use of
+    the bucket ``prefetch`` places earlier (or at the start of the backward). A shard op runs after the last forward
+    use of any member of its buckets; its output is their shards packed one after the other
+    (:func:`~thunder_fp8shard.planning.layout.packed_offsets`), and it is held until the wait of its last bucket.
+    """
+    placements = model.placements
+    first_uses = [placements[b[0].name].first_use for b in buckets]
+    layouts = [bucket_layout([d.nbytes for d in b], world_size) for b in buckets]
+    shard_at: dict[int, int] = {}
+    until: dict[int, int] = {}
+    members_of: dict[int, list[int]] = {}
+    for j, op in enumerate(ops):
+        shard_at[op] = max(shard_at.get(op, -1), *(placements[d.name].shard_at for d in buckets[j]))
+        until[op] = max(until.get(op, -1), first_uses[j])
+        members_of.setdefault(op, []).append(j)
+    offsets = {}
+    for op, js in members_of.items():
+        offsets.update(zip(js, packed_offsets([layouts[j].shard_nbytes for j in js])[0]))
+    return [
+        Bucket(
+            index=j, members=tuple(d.name for d in b), nbytes=sum(d.nbytes for d in b),
+            shard_nbytes=layouts[j].shard_nbytes, gathered_nbytes=layouts[j].gathered_nbytes,
+            shard_at=shard_at[ops[j]], first_use=first_uses[j],
+            gather_at=first_uses[j - prefetch] if j >= prefetch else model.backward_body_start,
+            shard_op=ops[j], shard_offset=offsets[j], shard_until=until[ops[j]],
+        )
+        for j, b in enumerate(buckets)
+    ]
+
+
+def group(
+    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int,
+    compactions: Sequence[Compaction] = (),
+) -> list[Bucket]:
+    """Buckets and shard ops for the chosen tensors (see the module's docstring), on the model with ``compactions``
+    made; ``bucket_bytes=0`` gives one tensor a bucket and one bucket a shard op."""
+    order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
+    singles = [[d] for d in order]
+    build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
+    if bucket_bytes == 0 or len(order) < 2:
+        return build(singles, range(len(singles)))
+    base = model.live_bytes(compactions=compactions)  # the step with the compactions made and nothing sharded
+    live_bytes = lambda trial: base + model.change(trial)  # noqa: E731
+    reference = live_bytes(build(singles, range(len(singles))))
+    ceiling = (1 - HEADROOM) * reference.max()
+    fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
+
+    # buckets: one all-gather each
+    buckets = _grow(
+        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes,
+        lambda parts: fits(build([[d for b in p for d in b] for p in parts], range(len(parts)))),
+    )
+    merged = [[d for b in p for d in b] for p in buckets]
+    # shard ops: consecutive buckets whose shards one op keeps
+    by_op = _grow(
+        [[j] for j in range(len(merged))], lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes,
+        lambda parts: fits(build(merged, [k for k, p in enumerate(parts) for j in p for _ in j])),
+    )
+    return build(merged, [k for k, p in enumerate(by_op) for j in p for _ in j])
+
+
+def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:
+    """Greedy left-to-right grouping of ``items`` into runs: an item joins the current run when the run stays
+    ``small_enough`` and ``ok(parts)`` accepts the whole grouping with the rest left alone."""
+    done: list[list[list]] = []
+    current = [items[0]]
+    for k in range(1, len(items)):
+        trial = current + [items[k]]
+        if small_enough([x for item in trial for x in item]) and ok([*done, trial, *([i] for i in items[k + 1 :])]):
+            current = trial
+        else:
+            done.append(current)
+            current = [items[k]]
+    done.append(current)
+    return done
+
+
+def _free(live: np.ndarray, reference: np.ndarray, ceiling: float) -> bool:
+    """Wherever ``live`` holds more than ``reference`` (one tensor a bucket), it stays under ``ceiling``."""
+    raised = live > reference
+    return not raised.any() or live[raised].max() <= ceiling
+
+
+def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
+    """Every bucket still has compute between its shard op and its all-gather."""
+    return all(model.compute_steps_between(b.shard_at, b.gather_at) > 0 for b in buckets)
+
+
+def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucket], model: MemoryModel
+                      ) -> list[Compaction]:
+    """``compactions`` (taken or not) with the call that makes each taken one's copies: moved to the step of the first
+    shard op of ``buckets`` at or after its own and made by that op (``shard_op``), or else batched with the next
+    compactions made alone into one call at the last one's step; each move only where the predicted peak (the
+    buckets sharded, the compactions made) does not rise. A moved compaction keeps its bytes; ``moved_from`` is its
+    own step."""
+    taken = {c.storage: c for c in compactions if c.compacted}
+    if not taken:
+        return list(compactions)
+    # a taken compaction's storage holds no sharded tensor (planner: "its storage is sharded instead"), and each
+    # compaction touches its own storage alone: the changes add up, so each is worked out once a placement
+    sharded = model.live_bytes(buckets)
+    changes: dict[tuple[str, int], np.ndarray] = {}
+
+    def live(trial: dict[str, Compaction]) -> np.ndarray:
+        for c in trial.values():
+            if (c.storage, c.compact_at) not in changes:
+                changes[c.storage, c.compact_at] = model.change(compactions=[c])
+        return sharded + sum(changes[c.storage, c.compact_at] for c in trial.values())
+
+    limit = live(taken).max()
+
+    def peak_holds(trial: dict[str, Compaction]) -> bool:
+        try:
+            return live(trial).max() <= limit
+        except ValueError:  # a copy would be made after its first use
+            return False
+
+    def moved(c: Compaction, step: int, op: int | None) -> Compaction:
+        return replace(c, compact_at=step, shard_op=op, moved_from=c.compact_at if step != c.compact_at else None)
+
+    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets})
+    for c in sorted(taken.values(), key=lambda c: c.compact_at):
+        op = next(((step, k) for step, k in anchors if step >= c.compact_at), None)
+        if op is not None and peak_holds(trial := {**taken, c.storage: moved(c, *op)}):
+            taken = trial
+    run: list[Compaction] = []  # compactions made alone, batched into the call of the run's last one
+    for c in sorted((c for c in taken.values() if c.shard_op is None), key=lambda c: c.compact_at):
+        trial = {**taken, **{r.storage: moved(r, c.compact_at, None) for r in run}}
+        if run and peak_holds(trial):
+            taken = trial
+            run.append(c)
+        else:
+            run = [c]
+    return [taken.get(c.storage, c) if c.compacted else c for c in compactions]

@@ -1,0 +1,405 @@
+"""The planner: decides, for every candidate, whether to shard it, and says why. Pure functions over plain data.
+
+``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage); ``choose``
+applies the policy to the sound candidates and the compaction options (all of them, only those lowering the
+predicted peak, or the fewest bytes moved that meet a byte budget) by asking the memory model
+(:mod:`thunder_fp8shard.memory.model`: the program's storages plus the memory the step runs in), so that peaks and
+budgets are device bytes, and has the chosen tensors grouped into buckets and shard ops
+(:mod:`thunder_fp8shard.planning.grouping`); ``make_plan`` is the pure entry point: from the analysis and the agreed inputs,
+the plan (the choice, its evaluations, the byte accounting).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from thunder_fp8shard.planning import grouping
+from thunder_fp8shard.analysis.analyze import Analysis
+from thunder_fp8shard.analysis.candidates import Candidate
+from thunder_fp8shard.analysis.liveness import storage_of
+from thunder_fp8shard.planning.layout import bucket_layout
+from thunder_fp8shard.memory.model import MemoryModel
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import UNKNOWN, AgreedValue, Bucket, Compaction, Decision, ShardPlan
+from thunder_fp8shard.analysis.replication import Replication
+from thunder_fp8shard.reporting.format import fmt_bytes
+
+
+ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
+
+
+def soundness(
+    candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, world_size: int,
+    model: MemoryModel, saved_names: set[str],
+) -> list[Decision]:
+    """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason.
+    ``world_size``: the ranks each tensor is sharded over (the shard group's, see
+    :mod:`thunder_fp8shard.distributed.shard_groups`); ``replication`` is over the setup's whole group."""
+    decisions = []
+    life_of = storage_of(model.lives)
+    for c in candidates:
+        replicated = replication.is_replicated(c.name)
+        life = life_of.get(c.name)
+        storage = life.nbytes if life is not None else c.payload_bytes
+        shard = bucket_layout([c.payload_bytes], world_size).shard_nbytes if world_size > 0 else c.payload_bytes
+        held = [m for m in life.members if m in model_io] if life is not None else []
+        why = None
+        if c.name in model_io:
+            why = "a model input or output: the caller keeps it alive, sharding frees nothing"
+        elif held:
+            why = (f"its storage is that of the program's input or output {held[0]} (a view or shallow_copy of it): "
+                   "the caller keeps it alive, sharding frees nothing")
+        elif not replicated:
+            why = f"per-rank: {replication.reason(c.name)}"
+        elif world_size < 2:
+            why = ONE_RANK
+        elif c.payload_bytes < options.min_bytes:
+            why = f"smaller than min_bytes={options.min_bytes}"
+        elif c.name not in model.placements:
+            why = "not used in backward"
+        elif others := _storage_sharers(c, model, saved_names):
+            why = f"shares its storage with saved tensor(s) {', '.join(others)}: sharding it alone frees nothing"
+        elif storage <= shard:
+            why = (f"a view of a {storage:,} B storage ({c.payload_bytes:,} B as its shape says): the {shard:,} B shard "
+                   "sharding keeps would not be smaller than what it frees")
+        decisions.append(_decision(c, replicated, world_size, why, storage))
+    return decisions
+
+
+def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header: ShardPlan,
+              agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
+    """The plan of one compilation (pure): ``analysis`` with the memory terms every rank agreed on, ``options`` with
+    the agreed budget, ``world_size`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
+    setup facts (an empty :class:`ShardPlan`: integration, shard group, notes), ``agreed`` what was agreed,
+    ``chooser`` the choice (:func:`choose`; a test injects another, see :class:`thunder_fp8shard.pipeline.Seams`). Returns
+    the plan (the choice, its predicted timelines before and after, its byte accounting) and the warnings to give."""
+    model = analysis.model
+    sound = []
+    if analysis.replication is not None:
+        sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, world_size,
+                          model, set(analysis.saved_names))
+    choice = (chooser or choose)(sound, model, options, world_size)
+    buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
+    before, after = model.evaluate(), model.evaluate(buckets, taken)
+    program_before, program_after = model.evaluate(terms=False), model.evaluate(buckets, taken, terms=False)
+    life_of = storage_of(model.lives)
+    saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in analysis.saved_names}.values())
+    saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
+                   + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
+    budget = options.budget_bytes if options.policy == "budget" else None
+    plan = replace(
+        header, decisions=choice.decisions, buckets=buckets, compactions=choice.compactions,
+        saved_bytes_before=saved_before, saved_bytes_after=saved_after,
+        peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
+        program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
+        terms=list(model.terms), timeline_before=before, timeline_after=after, agreed=list(agreed),
+        notes=[*header.notes, *choice.notes], budget_bytes=budget,
+        no_candidates=no_candidates(analysis.saved_by_dtype, options) if analysis.replication is not None
+        and not analysis.candidates else "", budget_traffic=choice.traffic,
+        budget_target_bytes=budget_target(budget) if budget is not None else None,
+    )
+    return plan, choice.warnings
+
+
+def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
+    """Why a compilation has no candidate, and what would make its saved tensors candidates."""
+    if not saved_by_dtype:
+        return "no candidates: the forward saves no tensor for backward"
+    dtypes = ", ".join(f"{fmt_bytes(n)} {dt}" for dt, n in saved_by_dtype.items())
+    words = f"no candidates: the forward saves {dtypes} (each tensor's bytes, by dtype)"
+    if options.candidates == "fp8":
+        words += ('; candidates="fp8" considers float8 tensors (and TransformerEngine\'s quantized ones) only: '
+                  'candidates="all" would consider these, or save FP8 copies of the weights for backward (e.g. from a '
+                  'straight-through torch.autograd.Function whose forward saves the float8 weight and whose backward '
+                  'upcasts it: docs/fp8_copies.md); a float8 weight upcast in the forward '
+                  '(F.linear(x, w.to(float8).to(x.dtype))) saves the upcast copy, not the float8 one')
+    return words
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What :func:`choose` decided: every candidate's decision, the buckets of the sharded ones, every compaction
+    option (taken or not, with the reason), the plan's notes, and those of them the user must be warned of."""
+
+    decisions: list[Decision]
+    buckets: list[Bucket]
+    compactions: list[Compaction]
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    # policy "budget": the bytes the choice moves a step (shards' payloads, compactions' copies) and a lower bound on
+    # what any choice meeting the budget's target must move (see least_traffic)
+    traffic: dict | None = None
+
+
+def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, world_size: int) -> Choice:
+    """Applies the policy to the sound decisions and the model's compaction options.
+
+    A tensor whose own all-gather (``prefetch`` tensors ahead) would come right after its shard is refused.
+    Policies ``peak`` and ``budget`` weigh each tensor on its own (its own shard and gather, as just placed) and each
+    compaction on its own, by the predicted peak each lowers per byte it moves a step (a shard's payload is
+    all-gathered back, a compaction's copy is made); the buckets are formed from what is kept, and the plan's
+    prediction is made with those buckets and compactions. ``budget`` plans to the budget less
+    :data:`BUDGET_MARGIN` of it (:func:`budget_target`).
+    """
+    candidates = [d for d in sound if d.sharded]
+    refused: dict[str, str] = {}
+    notes: list[str] = []
+    warnings: list[str] = []
+    sched = dict(prefetch=options.prefetch, world_size=world_size)
+    singles = grouping.group(candidates, model, bucket_bytes=0, **sched)
+    for b in singles:
+        if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
+            refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
+    candidates = [d for d in candidates if d.name not in refused]
+    single_of = {b.members[0]: b for b in singles}
+    compactions = _compaction_options(model, sound, options)
+    eligible = [c for c in compactions if c.compacted]
+    if options.policy == "all":
+        compactions = _not_raising_the_peak(compactions, model)
+        base = model.live_bytes()
+        for d in candidates:  # each shard on its own, as each compaction: none that raises the predicted peak
+            if (base + model.change([single_of[d.name]])).max() > base.max():
+                refused[d.name] = RAISES
+        candidates = [d for d in candidates if d.name not in refused]
+    else:
+        target = budget_target(options.budget_bytes) if options.policy == "budget" else None
+        taken, lowest, traffic = _greedy(candidates, eligible, model, singles, target, refused)
+        met = target is not None and lowest <= target
+        if target is not None and not met:  # the best reachable: every sound shard and every eligible compaction
+            names = {d.name for d in candidates}
+            every = [b for b in singles if b.members[0] in names]
+            best = int((model.live_bytes() + model.change(every, eligible)).max())
+            if best < lowest:  # closer than the greedy got (no single item lowered the peak on its own): take all
+                taken, lowest, met = {c.storage for c in eligible}, best, best <= target
+                for d in candidates:
+                    refused.pop(d.name, None)
+                traffic = {**traffic, "moved_bytes": sum(d.nbytes for d in candidates)
+                           + sum(c.copied_bytes for c in eligible)}
+        left_out = "not needed: the budget is met without it" if met else "does not lower the predicted peak"
+        compactions = [c if not c.compacted or c.storage in taken else replace(c, compacted=False, reason=left_out)
+                       for c in compactions]
+        if target is not None:
+            notes.append(_budget_note(options.budget_bytes, target, model.evaluate([]).peak_bytes, lowest))
+            if not met:
+                warnings.append(notes[-1])
+        unknown = [t.name for t in model.terms if t.source == UNKNOWN]
+        if target is not None and unknown:
+            notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
+                         "size): the step can exceed it by that much")
+    final = [d if d.name not in refused else replace(d, sharded=False, shard_nbytes=0, reason=refused[d.name]) for d in sound]
+    taken = [c for c in compactions if c.compacted]
+    buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
+                             compactions=taken, **sched)
+    if options.policy in ("all", "peak"):
+        final, compactions, buckets = _never_worse(final, compactions, buckets, model, options, sched,
+                                                   lower=options.policy == "peak")
+    compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, buckets, model)]
+    return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
+
+
+def _budget_note(budget: int, target: int, before: int, lowest: int) -> str:
+    planned = f"planned to {target:,} B (the budget less its {BUDGET_MARGIN:.1%} margin)"
+    if before <= target:
+        return f"budget {budget:,} B: {planned}; the predicted peak {before:,} B is within it without sharding"
+    if lowest <= target:
+        return f"budget {budget:,} B: {planned}; predicted peak {lowest:,} B"
+    where = "within the budget but not its margin" if lowest <= budget else "over it"
+    return (f"budget {budget:,} B cannot be met: {planned}, the best predicted peak reachable (sharding every sound "
+            f"candidate and making every compaction, or fewer where more does not lower it) is {lowest:,} B ({where})")
+
+
+# policy "budget" plans to the budget less this part of it: the memory model predicts the device peak within about
+# 0.3% at 32 layers and 0.5% at 8 (docs/memory_model.md, its accuracy), so a met budget ends within 0.5% of it
+BUDGET_MARGIN = 0.005
+
+
+def budget_target(budget_bytes: int) -> int:
+    """The predicted peak policy ``budget`` plans to: ``budget_bytes`` less :data:`BUDGET_MARGIN` of it."""
+    return budget_bytes - math.ceil(BUDGET_MARGIN * budget_bytes)
+
+
+def _compaction_options(model: MemoryModel, sound: list[Decision], options: ShardOptions) -> list[Compaction]:
+    """The model's compaction options freeing at least ``min_bytes``, each marked taken where it may be (``compact``
+    is ``"auto"``, it frees at least as many bytes as it copies, and no tensor of its storage is a sharding
+    candidate), else with the reason."""
+    sharding = {d.name for d in sound if d.sharded}
+    out = []
+    for c in model.compactions:
+        if c.freed_bytes < options.min_bytes:
+            continue
+        shared = sorted(sharding.intersection(model.lives[c.storage].members))
+        if options.compact == "off":
+            why = "compact='off'"
+        elif shared:
+            why = f"its storage is sharded instead ({', '.join(shared)})"
+        elif c.freed_bytes < c.copied_bytes:
+            why = f"it would free {c.freed_bytes:,} B, fewer than the {c.copied_bytes:,} B it copies a step"
+        else:
+            why = None
+        out.append(replace(c, compacted=why is None, reason=why or _compacted_reason(c, model)))
+    return out
+
+
+def _compacted_reason(c: Compaction, model: MemoryModel) -> str:
+    base = model.lives[c.storage]
+    return (f"views of {base.name}'s {c.storage_nbytes:,} B storage: compact copies free {c.freed_bytes:,} B from "
+            f"step {c.compact_at} to the backward, {c.copied_bytes:,} B copied a step")
+
+
+def _placed_reason(c: Compaction, model: MemoryModel) -> Compaction:
+    """A taken compaction's reason, saying which call makes its copies where :func:`grouping.place_compactions`
+    moved them."""
+    if not c.compacted:
+        return c
+    reason = _compacted_reason(c, model)
+    if c.shard_op is not None:
+        reason += f"; made by shard op {c.shard_op}'s call"
+    elif c.moved_from is not None:
+        reason += f"; made in one call with the other compactions at step {c.compact_at}"
+    if c.moved_from is not None:
+        reason += (f" (moved from step {c.moved_from}, its storage's last forward use: the predicted peak does not "
+                   "rise)")
+    return replace(c, reason=reason)
+
+
+def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> list[Compaction]:
+    """Policy "all": every eligible compaction that does not raise the predicted peak on its own."""
+    base = model.live_bytes()
+    out = []
+    for c in compactions:
+        if c.compacted and (base + model.change(compactions=[c])).max() > base.max():
+            c = replace(c, compacted=False, reason="its copy would raise the predicted peak")
+        out.append(c)
+    return out
+
+
+RAISES = "it would raise the predicted peak"
+LOWERS_NOTHING = "does not lower the predicted peak"
+
+
+def _never_worse(decisions: list[Decision], compactions: list[Compaction], buckets: list[Bucket], model: MemoryModel,
+                 options: ShardOptions, sched: dict, *, lower: bool
+                 ) -> tuple[list[Decision], list[Compaction], list[Bucket]]:
+    """The choice as it will run (its buckets, its compactions), checked on the memory model as a whole: policy "all"
+    (``lower=False``) keeps it only where the predicted peak does not rise, dropping the bucket (else the compaction)
+    that adds most at the peak step until it does not; policy "peak" (``lower=True``) does the same until the peak
+    falls (nothing is kept where it does not), then keeps only what lowers it: a bucket or compaction whose removal
+    leaves the predicted peak where it is goes. The buckets are formed again after each drop (a gather's place depends on the
+    others'). Every choice is a decision of :meth:`MemoryModel.change`, the one evaluator."""
+    before = int(model.live_bytes().max())
+    dropped: dict[str, str] = {}  # shard: reason
+    undone: dict[str, str] = {}  # compaction's storage: reason
+    while True:
+        taken = [c for c in compactions if c.compacted and c.storage not in undone]
+        live = model.live_bytes(buckets, taken)
+        changed = False
+        if live.max() > before or (lower and live.max() >= before and (buckets or taken)):
+            # the one that adds most where the peak now is goes
+            at = int(np.argmax(live))
+            items = [(b.members, model.change([b])[at], dropped) for b in buckets]
+            items += [((c.storage,), model.change(compactions=[c])[at], undone) for c in taken]
+            names, added, target = max(items, key=lambda item: item[1], default=((), 0, dropped))
+            if added > 0:
+                target.update((n, RAISES) for n in names)
+            else:  # nothing adds at that step: shard and compact nothing (the model without them is `before`)
+                why = LOWERS_NOTHING if lower else RAISES
+                dropped.update((n, why) for b in buckets for n in b.members)
+                undone.update((c.storage, why) for c in taken)
+            changed = True
+        elif lower:  # drop, one at a time, what leaves the peak where it is when it goes
+            items = [(b.members, model.change([b]), dropped) for b in reversed(buckets)]
+            items += [((c.storage,), model.change(compactions=[c]), undone) for c in taken]
+            for names, delta, target in items:
+                if (live - delta).max() <= live.max():
+                    live = live - delta
+                    target.update((n, LOWERS_NOTHING) for n in names)
+                    changed = True
+        if not changed:
+            break
+        decisions = [d if d.name not in dropped or not d.sharded else
+                     replace(d, sharded=False, shard_nbytes=0, reason=dropped[d.name]) for d in decisions]
+        taken = [c for c in compactions if c.compacted and c.storage not in undone]
+        buckets = grouping.group([d for d in decisions if d.sharded], model, bucket_bytes=options.bucket_bytes,
+                                 compactions=taken, **sched)
+        if lower and not buckets and not taken:
+            break
+    compactions = [c if c.storage not in undone or not c.compacted else
+                   replace(c, compacted=False, reason=undone[c.storage]) for c in compactions]
+    return decisions, compactions, buckets
+
+
+def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
+            ) -> tuple[set[str], int, dict]:
+    """Adds, one at a time, the shard or compaction that lowers the predicted peak most per byte it moves a step (a
+    shard: its payload, all-gathered back; a compaction: its copy; compactions first where equal), until the peak
+    stops falling (policy "peak") or reaches ``target`` (policy "budget"). Each shard's effect is taken with its
+    own gather placement in ``singles`` (one bucket per tensor). Fills ``refused`` with the shards left out; returns
+    the storages of the compactions taken, the predicted peak reached, and the traffic (:func:`least_traffic`)."""
+    base = model.live_bytes()
+    single = {b.members[0]: b for b in singles}
+    # compactions first, then the shards in the candidates' order: the first of equal gains is taken
+    items = [(c.storage, c.copied_bytes, model.change(compactions=[c]), "compaction") for c in compactions]
+    items += [(d.name, d.nbytes, model.change([single[d.name]]), "shard") for d in candidates]
+    current, taken, moved = base, set(), 0
+    remaining = list(items)
+    while remaining and (target is None or current.max() > target):
+        peak = current.max()
+        gains = [(peak - (current + delta).max()) / max(cost, 1) for _, cost, delta, _ in remaining]
+        best = int(np.argmax(gains))
+        if gains[best] <= 0:
+            break
+        name, cost, delta, kind = remaining.pop(best)
+        current = current + delta
+        moved += cost
+        if kind == "compaction":
+            taken.add(name)
+    met = target is not None and current.max() <= target
+    for name, _, _, kind in remaining:
+        if kind == "shard":
+            refused[name] = "not needed: the budget is met without it" if met else "does not lower the predicted peak"
+    traffic = {"moved_bytes": moved, "lower_bound_bytes": least_traffic(base, target, items) if target is not None
+               else None}
+    return taken, int(current.max()), traffic
+
+
+def least_traffic(base, target: int, items) -> int | None:
+    """A lower bound on the bytes a step any choice among ``items`` (``(name, bytes moved, change, kind)``) must
+    move to bring the predicted peak ``base`` to ``target``: at the step where the peak is, each item lowers the live
+    bytes by a fixed amount, and every choice meeting the target must lower that step by ``peak - target`` at least;
+    the fractional knapsack of that one step (the cheapest bytes per byte lowered first, the last taken in part) is a
+    bound no choice beats. None where even every item together cannot lower that step enough."""
+    at = int(np.argmax(base))
+    need = int(base[at]) - target
+    if need <= 0:
+        return 0
+    gains = sorted(((cost, -int(delta[at])) for _, cost, delta, _ in items if delta[at] < 0),
+                   key=lambda cg: cg[0] / cg[1])
+    bound = 0.0
+    for cost, gain in gains:
+        take = min(1.0, need / gain)
+        bound += take * cost
+        need -= take * gain
+        if need <= 0:
+            return int(math.ceil(bound))
+    return None
+
+
+def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) -> list[str]:
+    life = model.lives[model.placements[c.name].life]
+    return sorted(m for m in life.members if m != c.name and m in saved_names)
+
+
+def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | None, storage_nbytes: int) -> Decision:
+    view = (f"; a view of a {storage_nbytes:,} B storage, which sharding frees" if storage_nbytes != c.payload_bytes
+            else "")
+    return Decision(
+        name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
+        kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
+        reason=refused or f"identical on every rank; rank keeps 1/{world_size}{view}",
+        shard_nbytes=bucket_layout([c.payload_bytes], world_size).shard_nbytes if refused is None else 0,
+        storage_nbytes=storage_nbytes,
+    )

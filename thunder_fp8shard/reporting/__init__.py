@@ -1,0 +1,1 @@
+"""How a plan reads: byte formats and tables, and the predicted memory timelines drawn."""

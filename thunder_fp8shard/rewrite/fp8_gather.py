@@ -1,0 +1,453 @@
+"""``fp8_forward_gather`` (experimental, off by default): all-gather TE linear weights in FP8 in the forward (stage A
+of ``docs/fp8_forward_gather.md``).
+
+Under Thunder FSDP the forward all-gathers each bf16 parameter shard and TE's linear then casts the full weight to
+FP8 on every rank. Where the gathered weight's only use is one ``te_functional_linear_fwd``, this rewrite has each
+rank cast only its own rows and all-gather the FP8 bytes instead (run-time operators in
+:mod:`thunder_fp8shard.fp8_gather_ops`). It is exact (bitwise today's FP8 bytes, scale-inverse, amax history and
+scales) under the conditions :func:`find_sites` checks; a weight failing one keeps its bf16 gather and the plan says
+why:
+
+* the recipe is DelayedScaling with ``reduce_amax=True`` (the cast is elementwise with a per-tensor scale fixed
+  before it, and the weight's amax, now each rank's rows', is all-reduced with MAX over the default group before the
+  scale update), and FSDP's group spans the default group;
+* the pattern is exactly ``all_gather(trace input, FSDP's group) -> wait [-> slice of dim-0 rows] -> TE linear's
+  weight``, with no other use of the gathered weight (nor saved, nor returned), and the weight quantizer comes
+  from the linear's own forward state, whose scale update follows the linear and none precedes it;
+* no TE forward is recomputed in the backward (activation checkpointing);
+* every rank holds at least one valid row (padding rows, uninitialized memory, are left out of the cast).
+
+:func:`find_sites`/:func:`decisions` are pure over the traces (the plan's rows); :func:`rewrite` applies the decisions
+mechanically: per run of adjacent all-gathers one batched start, per weight one fused wait + TE linear forward, so
+the forward makes about one run-time call a weight where Thunder made three (the forward is bound by its host issue
+time). Casting where the all-gathers start (the top of the forward) instead of inside the linear is exact because
+the weight's scale only changes in its own state's ``te_fp8_amax_and_scale_update``, which the eligibility requires
+to come after the linear and nowhere before it in the forward (the previous change was in the previous step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+
+from thunder_fp8shard.runtime import fp8_gather_ops as gops
+from thunder_fp8shard.plan import ForwardGather
+
+ALL_GATHER = "torch_all_gather_prim_impl"
+WAIT = "torch_wait_prim_impl"
+SLICE = "torch_slice_prim_impl"
+TE_LINEAR_FWD = "te_functional_linear_fwd"
+TE_QUANTIZERS = "get_te_fp8_quantizers"
+TE_STATE = "get_te_fp8_state"
+TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
+
+
+@dataclass(frozen=True)
+class Site:
+    """One TE linear forward whose weight comes from a forward all-gather, as found in the trace; ``why`` is None
+    where it is eligible, else the first reason it is not."""
+
+    linear: BoundSymbol
+    gather: BoundSymbol | None
+    wait: BoundSymbol | None
+    slice: BoundSymbol | None
+    quantizers: BoundSymbol | None
+    shard: TensorProxy | None  # the trace input all-gathered
+    weight: TensorProxy  # the linear's weight argument (the unpadded gathered weight)
+    why: str | None
+
+
+def _name(b: BoundSymbol) -> str:
+    return b.sym.name
+
+
+def _outs(b: BoundSymbol) -> list:
+    return [o for o in b.flat_proxy_outs]
+
+
+def _consumers(body: Sequence[BoundSymbol]) -> dict[str, list[BoundSymbol]]:
+    out: dict[str, list[BoundSymbol]] = {}
+    for b in body:
+        if b.sym.id in (PrimIDs.DEL, PrimIDs.RETURN):
+            continue
+        for p in {p.name: p for p in b.flat_proxy_args}.values():
+            out.setdefault(p.name, []).append(b)
+    return out
+
+
+def _returned(trace: TraceCtx) -> set[str]:
+    ret = [b for b in trace.bound_symbols if b.sym.id == PrimIDs.RETURN]
+    return {p.name for b in ret for p in b.flat_proxy_args}
+
+
+def _is_row_slice(b: BoundSymbol, src: TensorProxy, dst: TensorProxy) -> bool:
+    """``dst = src[:rows]`` along dim 0, every other dim whole, stride 1."""
+    args = b.args
+    if len(args) < 3 or args[0] is not src:
+        return False
+    start, end = list(args[1]), list(args[2])
+    strides = list(args[3]) if len(args) > 3 and args[3] is not None else [1] * len(start)
+    shape = list(src.shape)
+    return (all(s == 0 for s in start) and all(s == 1 for s in strides) and end[1:] == shape[1:]
+            and 0 < end[0] <= shape[0] and list(dst.shape) == [end[0], *shape[1:]])
+
+
+def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, default_world_size: int,
+               recipe_problem: str | None) -> list[Site]:
+    """Every TE linear forward of ``fw`` whose weight is (through a wait, maybe a slice) a forward all-gather, with
+    the first reason it cannot be gathered in FP8 (None: it can)."""
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    producer = {o.name: b for b in body for o in _outs(b)}
+    uses = _consumers(body)
+    returned = _returned(fw)
+    inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)}
+    recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
+    position = {id(b): i for i, b in enumerate(body)}
+    updated_at = {p.name: i for i, b in enumerate(body) if _name(b).startswith(TE_SCALE_UPDATE)
+                  for p in b.flat_proxy_args}  # each proxy (a TE state among them): its last scale update
+    first_update = {}
+    for i, b in enumerate(body):
+        if _name(b).startswith(TE_SCALE_UPDATE):
+            for p in b.flat_proxy_args:
+                first_update.setdefault(p.name, i)
+    sites = []
+    for lin in body:
+        if not _name(lin).startswith(TE_LINEAR_FWD):
+            continue
+        w = lin.args[1]
+        sl = producer.get(w.name)
+        wait = sl
+        why = None
+        if sl is not None and _name(sl) == SLICE:
+            src = sl.args[0]
+            wait = producer.get(src.name) if isinstance(src, TensorProxy) else None
+            if not _is_row_slice(sl, src, w):
+                why = "the weight is a slice of the gathered weight other than dropping its padding rows"
+        else:
+            sl = None
+        if wait is None or _name(wait) != WAIT:
+            continue  # not a forward-gathered weight (DDP, a plain parameter): nothing to say
+        fut = wait.args[0]
+        gather = producer.get(getattr(fut, "name", None))
+        if gather is None or _name(gather) != ALL_GATHER:
+            continue
+        shard = gather.args[0]
+        q_w = lin.args[4] if len(lin.args) > 4 else None
+        qb = producer.get(getattr(q_w, "name", None))
+        gathered = sl.args[0] if sl is not None else w
+        if why is None:
+            why = _first_problem(
+                gather=gather, shard=shard, wait=wait, slice_=sl, linear=lin, gathered=gathered, weight=w,
+                quantizers=qb, q_w=q_w, producer=producer, uses=uses, returned=returned, inputs=inputs,
+                group=group, world_size=world_size, default_world_size=default_world_size,
+                recipe_problem=recipe_problem, recomputed=recomputed,
+                updated_after=updated_at.get(getattr(qb.args[0], "name", None), -1) > position[id(lin)]
+                if qb is not None and qb.args else False,
+                updated_before=first_update.get(getattr(qb.args[0], "name", None), len(body)) < position[id(lin)]
+                if qb is not None and qb.args else False)
+        sites.append(Site(lin, gather, wait, sl, qb, shard if isinstance(shard, TensorProxy) else None, w, why))
+    return sites
+
+
+def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, quantizers, q_w, producer, uses,
+                   returned, inputs, group, world_size, default_world_size, recipe_problem, recomputed, updated_after,
+                   updated_before):
+    if world_size < 2:
+        return "one rank: nothing is gathered"
+    if recipe_problem is not None:
+        return recipe_problem
+    if default_world_size != world_size:
+        return (f"FSDP's group has {world_size} ranks but TE all-reduces the amax over the default group's "
+                f"{default_world_size}")
+    if recomputed:
+        return "a TE linear forward is recomputed in the backward (activation checkpointing)"
+    if not isinstance(shard, TensorProxy) or shard.name not in inputs:
+        return "the all-gathered tensor is not a trace input (a parameter shard)"
+    if gather.args[1] is not group:
+        return "all-gathered over a process group other than FSDP's"
+    if len(gather.args) > 3 and gather.args[3] not in (None, 0):
+        return "all-gathered along a dim other than 0"
+    if len(shard.shape) != 2 or len(weight.shape) != 2:
+        return "not a 2-D weight"
+    for p, what in ((gathered, "gathered weight"), (weight, "unpadded weight")):
+        if p.name in returned:
+            return f"the {what} is returned or saved for backward"
+    if [b for b in uses.get(wait.args[0].name, []) if b is not wait]:
+        return "the all-gather's handle has another use"
+    others = [b for b in uses.get(gathered.name, []) if b is not (slice_ or linear)]
+    if slice_ is not None:
+        others += [b for b in uses.get(weight.name, []) if b is not linear]
+    if others:
+        return f"the gathered weight has another use ({_name(others[0])}): a tied or non-TE consumer"
+    if sum(1 for a in linear.args[:4] if getattr(a, "name", None) == weight.name) != 1:
+        return "the weight is also another argument of the linear"
+    if quantizers is None or not _name(quantizers).startswith(TE_QUANTIZERS):
+        return "the weight quantizer is not a get_te_fp8_quantizers output"
+    outs = _outs(quantizers)
+    if len(outs) != 2 or outs[1].name != q_w.name:
+        return "the weight quantizer is not output 1 of its forward state's two quantizers"
+    state = quantizers.args[0]
+    sb = producer.get(getattr(state, "name", None))
+    if sb is None or not _name(sb).startswith(TE_STATE) or tuple(sb.args[1:3]) != ("forward", 2):
+        return "the weight quantizer does not come from a forward TE state"
+    if updated_before:
+        return ("a te_fp8_amax_and_scale_update of the linear's state precedes it in the forward: casting the weight "
+                "where its all-gather starts could use another scale than the linear would")
+    if len(linear.args) != 5 or linear.kwargs:
+        return "the TE linear forward's arguments are not (input, weight, bias, input quantizer, weight quantizer)"
+    ctx = getattr(linear, "_call_ctx", None) or {}
+    if not (ctx.get(linear.sym.name) or len(ctx) == 1):
+        return "the TE linear forward has no Python implementation for the fused operator to call"
+    if not updated_after:
+        return ("no te_fp8_amax_and_scale_update of the linear's state follows it in the forward: the shards' amaxes "
+                "would not be all-reduced before a scale update")
+    rows, out = shard.shape[0], weight.shape[0]
+    if gathered.shape[0] != rows * world_size or out > rows * world_size:
+        return "the gathered shape is not the shards' concatenation"
+    if rows != -(-out // world_size):
+        return (f"the weight keeps {out} of the {rows * world_size} gathered rows: a slice other than dropping its "
+                f"padding rows (FSDP's shards of a {out}-row weight have {-(-out // world_size)} rows)")
+    if out <= (world_size - 1) * rows:
+        return "a rank would hold no valid row of the weight"
+    return None
+
+
+def decisions(sites: Sequence[Site], world_size: int) -> list[ForwardGather]:
+    """The plan's rows: per site, the bytes received per rank and the elements cast per rank, without and with."""
+    out = []
+    for s in sites:
+        shape = tuple(int(d) for d in s.weight.shape)
+        numel = math.prod(shape)
+        rows = int(s.shard.shape[0]) if s.shard is not None else shape[0]
+        gathered = rows * world_size * math.prod(shape[1:])  # elements of the gathered buffer, padding included
+        before = gathered * s.weight.dtype.bytes * (world_size - 1) // world_size
+        fp8 = s.why is None
+        after = gathered * (world_size - 1) // world_size if fp8 else before
+        cast_after = numel if not fp8 else _valid_rows(shape[0], rows, 0) * shape[1]  # rank 0 holds the most rows
+        out.append(ForwardGather(s.shard.name if s.shard is not None else s.weight.name, shape, fp8,
+                                 "FP8: this rank's rows cast, the uint8 bytes gathered" if fp8 else s.why,
+                                 before, after, numel, cast_after))
+    return out
+
+
+def _valid_rows(out: int, rows: int, rank: int) -> int:
+    return max(0, min(rows, out - rank * rows))
+
+
+def _calls_replaced(site: Site) -> int:
+    """Thunder's run-time calls for one eligible weight that the rewrite removes: all-gather, wait, the unpad slice
+    where padded, the TE linear forward."""
+    return 3 + (site.slice is not None)
+
+
+HOISTABLE = ("get_te_fp8_recipe", TE_STATE, TE_QUANTIZERS)  # TE's getters: no tensor input, order-independent
+
+
+def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> list[BoundSymbol] | None:
+    """The bound symbols the weight quantizer comes from (its quantizers, state and recipe getters, and theirs), or
+    None where one of them is not a TE getter (then they cannot be moved up)."""
+    out, todo, seen = [], [site.quantizers], set()
+    while todo:
+        b = todo.pop()
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        if not _name(b).startswith(HOISTABLE):
+            return None
+        out.append(b)
+        for p in b.flat_proxy_args:
+            if p.name in inputs:
+                continue
+            if p.name not in producer:
+                return None
+            todo.append(producer[p.name])
+    return out
+
+
+def batches(fw: TraceCtx, sites: Sequence[Site]) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
+    """Where the eligible sites' starts go, as ``(index, sites, getters)``: one ``fp8shard_weight_gather_starts``
+    call per run of adjacent forward all-gathers (only other all-gathers, argument unpacks, comments and dels
+    between them; Thunder's ``sort_waits`` makes one run of all the forward's), placed right after the run's last
+    eligible all-gather (an index into ``fw``'s bound symbols without dels), preceded by the getters of the run's
+    weight quantizers that stood later in the trace (``getters``, moved up in their order: TE's recipe, state and
+    quantizer getters take no tensor and their only side effect, creating a state, does not depend on when). A site
+    whose quantizer comes from anything else starts alone right after the later of its all-gather and its
+    quantizer getter."""
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    index = {id(b): i for i, b in enumerate(body)}
+    producer = {o.name: b for b in body for o in _outs(b)}
+    inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if hasattr(p, "name")}
+    chosen = sorted((s for s in sites if s.why is None), key=lambda s: index[id(s.gather)])
+    passable = {ALL_GATHER}
+    runs: list[list[Site]] = []
+    alone: list[Site] = []
+    last = None
+    for s in chosen:
+        getters = _getters(s, producer, inputs)
+        if getters is None:
+            alone.append(s)
+            continue
+        i = index[id(s.gather)]
+        if last is not None and all(_name(b) in passable or b.sym.id in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.COMMENT)
+                                    for b in body[last + 1:i]):
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+        last = i
+    out = []
+    moved: set[int] = set()
+    for run in runs:
+        at = max(index[id(s.gather)] for s in run)
+        getters = []
+        for s in run:
+            for g in _getters(s, producer, inputs):
+                if index[id(g)] > at and id(g) not in moved:
+                    moved.add(id(g))
+                    getters.append(g)
+        out.append((at, run, sorted(getters, key=lambda g: index[id(g)])))
+    for s in alone:
+        out.append((max(index[id(s.gather)], index[id(s.quantizers)]), [s], []))
+    return sorted(out, key=lambda x: x[0])
+
+
+def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank: int, provenance: str) -> TraceCtx:
+    """``fw`` with each eligible site's all-gather, wait, slice and TE linear forward replaced by two operators:
+    ``fp8shard_weight_gather_starts``, one call per run of adjacent all-gathers (:func:`batches`, which also moves
+    the quantizer getters it needs up before it), and ``fp8shard_te_linear_fwd`` where the linear was, bound to the
+    linear's outputs (the rest of the trace is unchanged). Dels are regenerated; ``fw`` is not modified."""
+    from thunder.executors.passes import del_last_used
+
+    plan = batches(fw, sites)
+    if not plan:
+        return fw
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    index = {id(b): i for i, b in enumerate(body)}
+    gone = {id(b) for _, run, getters in plan for s in run for b in (s.gather, s.wait, s.slice, *getters)
+            if b is not None}
+    after: dict[int, list[BoundSymbol]] = {}
+    replace: dict[int, BoundSymbol] = {}
+    new = from_trace(fw)
+    with tracectx(new):
+        for at, run, getters in plan:
+            specs = []
+            for s in run:
+                shard, w = s.shard, s.weight
+                rows, out = int(shard.shape[0]), int(w.shape[0])
+                specs.append(gops.WeightGatherSpec(group, world_size, rank, rows, _valid_rows(out, rows, rank), out,
+                                                   int(w.shape[1]), _torch_dtype(w.dtype), shard.name,
+                                                   _implementation(s.linear)))
+            batch = gops.GatherBatch(specs)
+            scope: list[BoundSymbol] = []
+            new.push_scope(scope)
+            handles = gops.weight_gather_starts(tuple(s.shard for s in run), tuple(s.linear.args[4] for s in run),
+                                                tuple(_producer_arg0(body, s.quantizers.args[0]) for s in run), batch)
+            new.pop_scope()
+            after.setdefault(at, []).extend([*getters, *scope])
+            for s, h, spec in zip(run, handles, specs):
+                x, _, bias, q_in, q_w = s.linear.args[:5]
+                replace[index[id(s.linear)]] = gops.te_linear_fwd.bind(x, h, bias, q_in, q_w, spec,
+                                                                       output=s.linear.output)
+    new.bound_symbols = [x for i, b in enumerate(body)
+                         for x in ((replace[i],) if i in replace else () if id(b) in gone else (b,))
+                         + tuple(after.get(i, ()))]
+    out = del_last_used(new)
+    out.set_provenance(TraceProvenance(provenance))
+    return out
+
+
+def _implementation(linear: BoundSymbol):
+    """The Python function a TE linear forward bound symbol runs (Thunder's ``_linear_fwd_impl``, which looks TE's
+    ``BasicLinear._functional_forward`` up at each call)."""
+    ctx = getattr(linear, "_call_ctx", None) or {}
+    fn = ctx.get(linear.sym.name) or (next(iter(ctx.values())) if len(ctx) == 1 else None)
+    if fn is None:
+        raise ValueError(f"{linear.sym.name} has no Python implementation to call")
+    return fn
+
+
+def _producer_arg0(body: Sequence[BoundSymbol], state) -> object:
+    """The recipe proxy a TE state getter was called with."""
+    for b in body:
+        if any(o.name == state.name for o in _outs(b)):
+            return b.args[0]
+    raise ValueError(f"no producer of {state.name}")
+
+
+def _torch_dtype(dtype):
+    from thunder.core import dtypes
+
+    return dtypes.to_torch_dtype(dtype)
+
+
+def operator_calls(fw: TraceCtx) -> dict[str, int]:
+    """How many times a forward calls each of this feature's run-time operators."""
+    return {sym.name: sum(b.sym is sym for b in fw.bound_symbols) for sym in gops.OPERATORS}
+
+
+def compile_time_recipe():
+    """The FP8 recipe TE's executor will use (``FP8GlobalStateManager.get_fp8_recipe()``, the call Thunder's checker
+    makes), or None without TransformerEngine."""
+    try:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except Exception:  # no TransformerEngine: no TE linear in the trace either
+        return None
+    return FP8GlobalStateManager.get_fp8_recipe()
+
+
+@dataclass(frozen=True)
+class ForwardGatherPlan:
+    """What :func:`plan` decided for one compilation: the sites (for :func:`rewrite`), the plan's rows and notes."""
+
+    sites: tuple[Site, ...]
+    rows: tuple[ForwardGather, ...]
+    notes: tuple[str, ...]
+    group: object = None
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def calls_replaced(self) -> int:
+        """Thunder's run-time calls the rewrite removes a forward (all-gather, wait, unpad slice, TE linear of each
+        weight gathered in FP8)."""
+        return sum(_calls_replaced(s) for s in self.sites if s.why is None)
+
+    def apply(self, fw: TraceCtx, provenance: str = "ShardIntermediates: fp8_forward_gather") -> TraceCtx:
+        n = sum(s.why is None for s in self.sites)
+        return rewrite(fw, self.sites, group=self.group, world_size=self.world_size, rank=self.rank,
+                       provenance=f"{provenance}: {n} TE linear weight(s) all-gathered in FP8")
+
+
+def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, group, world_size: int,
+         recipe=None, default_world_size: int | None = None, rank: int | None = None) -> ForwardGatherPlan:
+    """The forward-gather decisions of one compilation (nothing where ``enabled`` is False). ``recipe``: the FP8
+    recipe TE's executor uses (default: :func:`compile_time_recipe`); ``default_world_size``/``rank``: the default
+    group's size and this rank's rank in FSDP's group (default: asked of ``torch.distributed``)."""
+    if not enabled:
+        return ForwardGatherPlan((), (), ())
+    if not (setup_name or "").startswith("Thunder FSDP"):
+        return ForwardGatherPlan((), (), (f"fp8_forward_gather: no effect under {setup_name or 'no distributed setup'}"
+                                          " (only Thunder FSDP all-gathers weights in the traced forward)",))
+    if default_world_size is None or rank is None:
+        import torch.distributed as dist
+
+        default_world_size = dist.get_world_size() if default_world_size is None else default_world_size
+        rank = dist.get_rank(group) if rank is None else rank
+    recipe = compile_time_recipe() if recipe is None else recipe
+    sites = tuple(find_sites(fw, bw, group=group, world_size=world_size, default_world_size=default_world_size,
+                             recipe_problem=gops.exact_recipe(recipe)))
+    rows = tuple(decisions(sites, world_size))
+    if not sites:
+        notes = ("fp8_forward_gather: no TE linear weight is all-gathered in the forward",)
+    elif any(s.why is None for s in sites):
+        notes = ("fp8_forward_gather: the memory model still counts the FP8-gathered weights' forward all-gathers in "
+                 "bf16 (an over-estimate of their 1 B/element buffers)",)
+    else:
+        notes = ()
+    return ForwardGatherPlan(sites, rows, notes, group, world_size, rank)

@@ -1,0 +1,248 @@
+"""The mechanical rewrite: forward keeps one 1/N shard per shard op (one or more buckets) in the saved list and
+compact copies of compacted views, backward all-gathers each bucket back; each operator goes where the plan says.
+
+:func:`requests` turns a plan (:class:`~thunder_fp8shard.plan.ShardPlan`: its buckets, shard ops and compactions,
+placed on the steps of the unmodified joint program) into requests anchored on the traces' bound symbols: a shard op
+right after its step (the last forward use of its members' storages), with the views of the compactions the plan
+gives it (``Compaction.shard_op``: one call makes both), the other compactions one call a step right after it, a bucket's
+wait right before its first backward consumer, its all-gather right before the consumer of the bucket ``prefetch``
+places earlier (or at the start of the backward body). :func:`rewrite_forward` and :func:`rewrite_backward` insert
+them and return new traces (the inputs are not modified) with dels regenerated and a provenance line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import AnyProxy, TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.core.transforms import (
+    _update_backward_with_new_saved_for_backward,
+    _update_forward_with_new_saved_for_backward,
+)
+from thunder.executors.passes import del_last_used
+from thunder.executors.pythonex import clear_mutable_collection
+
+from thunder_fp8shard.runtime import ops
+from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
+
+
+@dataclass(frozen=True)
+class BucketRequest:
+    """Saved tensors all-gathered together (one all-gather), where this rank's shard of them lies in its shard op's
+    output, and where the backward waits for them (right before ``wait_before``) and issues their all-gather (right
+    before ``start_before``; None: at the start of the backward body)."""
+
+    members: tuple[TensorProxy, ...]
+    shard_offset: int
+    shard_nbytes: int
+    wait_before: BoundSymbol
+    start_before: BoundSymbol | None
+
+
+@dataclass(frozen=True)
+class ShardOpRequest:
+    """One forward shard op, right after ``after``: the buckets whose shards it keeps in one tensor of
+    ``shard_nbytes`` bytes a rank, and the saved views it replaces by compact copies (``compact``: the compactions
+    the plan has it make)."""
+
+    buckets: tuple[BucketRequest, ...]
+    shard_nbytes: int
+    after: BoundSymbol
+    compact: tuple[TensorProxy, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompactionRequest:
+    """Saved views replaced by compact copies of themselves, made right after ``after`` (a bound symbol of the
+    forward: the last forward use of their storage)."""
+
+    members: tuple[TensorProxy, ...]
+    after: BoundSymbol
+
+
+def requests(plan: ShardPlan, fw: TraceCtx, bw: TraceCtx, proxy_of: Mapping[str, TensorProxy]
+             ) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
+    """The plan's shard ops (their buckets, in order of first backward use) and compactions as requests anchored on
+    the bound symbols of ``fw`` and ``bw`` (the traces the plan was made on: its steps are their bound symbols, the
+    forward's then the backward's); ``proxy_of`` names the saved tensors."""
+    n_fw = len(fw.bound_symbols)
+    ops_of: dict[int, list[BucketRequest]] = {}
+    after: dict[int, BoundSymbol] = {}
+    for j, b in enumerate(plan.buckets):
+        start = None if j < plan.prefetch else bw.bound_symbols[b.gather_at - n_fw]  # see grouping.place
+        ops_of.setdefault(b.shard_op, []).append(BucketRequest(
+            tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
+            start))
+        after[b.shard_op] = fw.bound_symbols[b.shard_at]
+    by_op: dict[int, list[TensorProxy]] = {}  # compactions a shard op makes
+    by_step: dict[int, list[TensorProxy]] = {}  # the others: one call a step
+    for c in plan.compacted:
+        members = [proxy_of[m] for m in c.members]
+        (by_op.setdefault(c.shard_op, []) if c.shard_op is not None else by_step.setdefault(c.compact_at, [])).extend(
+            members)
+    nbytes = plan.shard_op_nbytes
+    shard_ops = [ShardOpRequest(tuple(rs), nbytes[op], after[op], tuple(by_op.get(op, ()))) for op, rs in ops_of.items()]
+    compactions = [CompactionRequest(tuple(ms), fw.bound_symbols[step]) for step, ms in by_step.items()]
+    return shard_ops, compactions
+
+
+@dataclass(frozen=True)
+class ShardedBucket:
+    """What the forward hands to the backward for one bucket."""
+
+    originals: tuple[TensorProxy, ...]  # the proxies the backward consumes; the wait re-creates them
+    shard: TensorProxy  # what is saved instead (flat uint8; shared by the buckets of one shard op)
+    shard_offset: int  # this bucket's bytes in ``shard``
+    shard_nbytes: int
+    restorer: AnyProxy  # saved alongside, in the non-tensor list
+    request: BucketRequest  # where the backward waits for it and issues its all-gather
+
+
+@dataclass(frozen=True)
+class ForwardRewrite:
+    trace: TraceCtx
+    sharded: tuple[ShardedBucket, ...]
+    shards: tuple[TensorProxy, ...]  # one per shard op
+    saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
+    world_size: int  # what each shard is 1/world_size of
+    compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
+
+
+def rewrite_forward(
+    fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, world_size: int, method: str, verify: bool,
+    provenance: str, compactions: list[CompactionRequest] = (),
+) -> ForwardRewrite:
+    """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
+    instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
+    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views."""
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    position = {id(b): i for i, b in enumerate(body)}
+    new = from_trace(fw)
+    inserted_after: dict[int, list[BoundSymbol]] = {}
+    sharded: list[ShardedBucket] = []
+    shards = []
+    compacted: dict[str, tuple[TensorProxy, TensorProxy]] = {}
+    with tracectx(new):
+        for c in compactions:
+            scope: list[BoundSymbol] = []
+            new.push_scope(scope)
+            copies = ops.compact(c.members, ops.CompactCopies())
+            new.pop_scope()
+            inserted_after.setdefault(position[id(c.after)], []).extend(scope)
+            compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
+        for op in shard_ops:
+            scope = []
+            new.push_scope(scope)
+            members = tuple(r.members for r in op.buckets)
+            names = tuple(tuple(p.name for p in m) for m in members)
+            spec = ops.ShardSpec(group, world_size, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
+            if spec.shard_nbytes != op.shard_nbytes:
+                raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
+                                 f"{spec.shard_nbytes:,} B")
+            shard, *outputs = ops.shard(members, spec, *((op.compact,) if op.compact else ()))
+            new.pop_scope()
+            restorers, copies = outputs[: len(op.buckets)], outputs[len(op.buckets) :]
+            compacted.update((m.name, (m, copy)) for m, copy in zip(op.compact, copies))
+            inserted_after.setdefault(position[id(op.after)], []).extend(scope)
+            shards.append(shard)
+            sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer, r)
+                        for r, restorer in zip(op.buckets, restorers)]
+    new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
+
+    gone = {p.name for s in sharded for p in s.originals}
+    saved_tensors, saved_other = forward_saved(fw)
+    saved = (
+        *(compacted[p.name][1] if p.name in compacted else p for p in saved_tensors if p.name not in gone),
+        *shards,
+        *saved_other,
+        *(s.restorer for s in sharded),
+    )
+    _update_forward_with_new_saved_for_backward(new, saved)
+    out = del_last_used(new)
+    out.set_provenance(TraceProvenance(provenance))
+    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size, tuple(compacted.values()))
+
+
+def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance: str) -> tuple[TraceCtx, list[int]]:
+    """Restores each bucket right before its request's consumer (``fp8shard_gather_wait``) and issues its all-gather
+    where its request says (``fp8shard_gather_start``); a wait and a start at the same place are one call
+    (``fp8shard_gather_next``). Each compacted view is read from its compact copy. Returns the new trace and, for
+    each gather in issue order, the index of the bound symbol that issues it.
+    """
+    saved_tensors, _ = backward_saved(bw)
+    if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) - len(handoff.shards) + sum(
+        len(s.originals) for s in handoff.sharded
+    ):
+        raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
+    body = [
+        b for b in bw.bound_symbols
+        if b.sym.id not in (PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT,
+                            PrimIDs.UNPACK_KEY)
+        and b.sym is not clear_mutable_collection
+    ]
+    position = {id(b): i for i, b in enumerate(body)}
+    if handoff.compacted:
+        swap = {variableify(view): copy for view, copy in handoff.compacted}
+        body = [b.from_bsym_swap_proxies(swap) for b in body]
+    new = from_trace(bw)
+    before: dict[int, list[BoundSymbol]] = {}
+    with tracectx(new):
+        for s in handoff.sharded:  # in order of first backward use
+            r = s.request
+            scope: list[BoundSymbol] = []
+            new.push_scope(scope)
+            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.world_size, group)
+            new.pop_scope()
+            before.setdefault(0 if r.start_before is None else position[id(r.start_before)], []).extend(scope)
+            wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
+            before.setdefault(position[id(r.wait_before)], []).append(wait)
+    new.bound_symbols = [b for i, b in enumerate(body) for b in (*_fused(before.get(i, ())), b)]
+    _update_backward_with_new_saved_for_backward(new, handoff.saved)
+    out = del_last_used(new, clear_mutable_collections=True)
+    out.set_provenance(TraceProvenance(provenance))
+    gathers = [i for i, b in enumerate(out.bound_symbols) if b.sym in (ops.gather_start, ops.gather_next)]
+    return out, gathers
+
+
+def with_run_checks(handoff: ForwardRewrite, bw: TraceCtx, audit, calibration) -> tuple[TraceCtx, TraceCtx]:
+    """The rewritten forward with ``fp8shard_audit`` of its saved tensors before its return, and the backward with
+    ``fp8shard_calibrate`` before its return (see :mod:`thunder_fp8shard.runtime.audit`)."""
+    out = []
+    for trace, insert in ((handoff.trace, lambda: ops.audit(tuple(p for p in handoff.saved if isinstance(
+            p, TensorProxy)), audit)), (bw, lambda: ops.calibrate(calibration))):
+        new = from_trace(trace)
+        scope: list[BoundSymbol] = []
+        with tracectx(new):
+            new.push_scope(scope)
+            insert()
+            new.pop_scope()
+        body = list(trace.bound_symbols)
+        at = max(i for i, b in enumerate(body) if b.sym.id == PrimIDs.RETURN)
+        new.bound_symbols = [*body[:at], *scope, *body[at:]]
+        new.set_provenance(trace.get_provenance())
+        out.append(new)
+    return out[0], out[1]
+
+
+def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
+    """The operators inserted at one place, each wait followed by a start made one ``fp8shard_gather_next`` call (the
+    wait first, as before; the two touch different buckets, and nothing runs between them either way)."""
+    out: list[BoundSymbol] = []
+    for b in inserted:
+        if b.sym is ops.gather_start and out and out[-1].sym is ops.gather_wait:
+            wait = out.pop()
+            out.append(ops.gather_next.bind(*wait.args, *b.args, output=(*wait.output, b.output)))
+        else:
+            out.append(b)
+    return out
+
+
+def operator_calls(fw: TraceCtx, bw: TraceCtx) -> dict[str, int]:
+    """How many times a step the rewritten traces call each run-time operator of the pass, by operator name."""
+    mine = (ops.shard, ops.gather_start, ops.gather_next, ops.gather_wait, ops.compact, ops.audit, ops.calibrate)
+    return {sym.name: sum(b.sym is sym for t in (fw, bw) for b in t.bound_symbols) for sym in mine}

@@ -1,0 +1,275 @@
+"""What the pass checks at run time against its plan: the storages the forward really saves (at the first call), and
+the device's peak once a step has run with the optimizer's state (calibration).
+
+The memory model is a prediction: a fusion region that aliases differently than its replay on meta tensors said, an
+executor not modelled, the allocator's rounding. Two run-time operators, inserted by the rewrite, compare the
+prediction with the device and write what they find into the plan (:class:`~thunder_fp8shard.plan.ShardPlan`'s
+``audit`` and ``calibration``), so that no gap stays silent:
+
+- ``fp8shard_audit`` (the forward's last operator, before its return) looks, at the first call, at the distinct
+  storages of the tensors the forward saves (as ``torch.autograd.graph.saved_tensors_hooks`` would count them, the
+  buffers of TransformerEngine's quantized tensors included) and compares them, storage by storage, with the model's.
+  A difference becomes a *measured* memory term of the plan (``saved storages at the first call``), on the steps the
+  model has those tensors alive, with a warning naming the tensors and their bytes; the predicted peak after is
+  corrected by it. Later calls return at once.
+- ``fp8shard_audit`` also counts the forward's calls until the program's first backward: the plan's
+  ``runs_per_step`` (under ThunderFX one compiled program serves every block of the same class and shapes, so its
+  plan runs several times a step; its bytes count that many times).
+- ``fp8shard_calibrate`` (the backward's last operator) reads the device's peak (``torch.cuda.max_memory_allocated``)
+  at the end of the second step's last backward of the program: the first step whose forward and backward run with the optimizer's state (it
+  is created by the first ``optimizer.step()``), and whose peak Thunder's benchmark and most loops do not reset.
+  The ranks of the shard group agree on the largest reading (one all-reduce MAX, once), so that every rank decides
+  alike. The plan records the reading and its error against the predicted peak. Under ``policy="budget"``, a reading
+  over the budget is a warning, and the pass plans the next compilation with the error as a measured term
+  (``calibration``) and forces that compilation at the next call (it drops the compiled program from Thunder's cache:
+  the cost is one recompilation of that input shape); the user sees both in the new plan. On the CPU nothing is read.
+
+Both read only metadata or one counter: no device synchronization, except the calibration's one all-reduce. Once
+the calibration is done (and no budget was missed), both are removed from the program
+(:mod:`thunder_fp8shard.runtime.steady_state`): the steady-state step does not call them.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from thunder.core.proxies import TensorProxy
+
+from thunder_fp8shard.analysis.liveness import span_bytes, storage_of
+from thunder_fp8shard.memory.device import peak_allocated
+from thunder_fp8shard.plan import MEASURED, MemoryTerm, ShardPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from thunder_fp8shard.memory.model import MemoryModel
+    from thunder_fp8shard.rewrite.traces import ForwardRewrite
+
+log = logging.getLogger(__name__)
+
+SAVED_TERM = "saved storages at the first call"
+CALIBRATION_TERM = "calibration"
+CALIBRATION_CALL = 2  # the backward call whose end is read: the first with the optimizer's state
+TOLERANCE = 1024  # bytes a storage may differ from the model's without a term (TE's 4-byte scales, ...)
+
+# inner buffers of TransformerEngine's quantized tensors (wrapper subclasses without a storage of their own)
+_INNER_BUFFERS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv",
+                  "_columnwise_scale_inv")
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages ``t`` keeps alive: its own, or for a TransformerEngine quantized tensor its inner buffers'."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return [t.untyped_storage()]
+    inner = [getattr(t, a, None) for a in _INNER_BUFFERS]
+    found = [s for b in inner if isinstance(b, torch.Tensor) for s in storages(b)]
+    return found or [t.untyped_storage()]
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """One storage of the rewritten program's saved tensors, as the model has it."""
+
+    name: str  # the model's name of the storage
+    members: tuple[int, ...]  # positions of its tensors in the saved list
+    nbytes: int  # predicted bytes
+    start: int  # the steps the model holds it (of the unmodified joint program)
+    end: int
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A storage whose measured bytes differ from the model's."""
+
+    storage: str
+    tensors: tuple[str, ...]
+    predicted: int
+    measured: int
+    start: int
+    end: int
+
+
+def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewrite) -> list[SavedStorage]:
+    """The model's storages of the rewritten forward's saved tensors (``rewrite.saved``, tensors first), with the
+    steps it holds each: a tensor left as it was, its storage's life; a compact copy, its own; a shard op's shard,
+    its buckets' shards (packed) from the op to the wait of its last bucket."""
+    life_of = storage_of(model.lives)
+    copy_of = {view.name: copy for view, copy in rewrite.compacted}
+    copies = {copy_of[m].name: (c, j) for c in plan.compacted for j, m in enumerate(c.members)}
+    shard_ops = {s.shard.name: [] for s in rewrite.sharded}
+    for s in rewrite.sharded:
+        shard_ops[s.shard.name].append(s)
+    buckets = {b.members: b for b in plan.buckets}
+    found: dict[str, SavedStorage] = {}
+    tensors = [p for p in rewrite.saved if isinstance(p, TensorProxy)]
+    for k, p in enumerate(tensors):
+        if p.name in copies:
+            c, j = copies[p.name]
+            e = SavedStorage(f"{c.storage}.compact{j}", (), c.member_nbytes[j], c.compact_at, c.ends[j])
+        elif p.name in shard_ops:
+            mine = [buckets[tuple(m.name for m in s.originals)] for s in shard_ops[p.name]]
+            e = SavedStorage(f"shard op {mine[0].shard_op}", (), sum(b.shard_nbytes for b in mine),
+                             max(b.shard_at for b in mine), max(b.shard_until or b.first_use for b in mine))
+        else:
+            life = life_of[p.name]
+            e = SavedStorage(life.name, (), life.nbytes, life.start, life.end)
+        prior = found.get(e.name, e)
+        found[e.name] = SavedStorage(e.name, (*prior.members, k), e.nbytes, e.start, e.end)
+    return list(found.values())
+
+
+def calibration_term(nbytes: int, last: int) -> MemoryTerm:
+    """The error a missed budget measured, planned with from then on (every step)."""
+    return MemoryTerm(CALIBRATION_TERM, MEASURED, f"the device peaked {nbytes:,} B over the prediction at the end of "
+                      f"backward call {CALIBRATION_CALL} (policy budget, replanned)", ((0, last, nbytes),))
+
+
+def compare(expected: list[SavedStorage], names: list[str], saved: list) -> tuple[int, list[Difference]]:
+    """The measured bytes of the distinct storages of ``saved`` (the tensors of the saved list, ``names`` theirs),
+    and the model's storages whose bytes differ by more than :data:`TOLERANCE`: each measured storage counts once,
+    for the first model storage that reaches it (pure but for reading the tensors' storages)."""
+    seen: set[int] = set()
+    total, differences = 0, []
+    for e in expected:
+        measured = 0
+        for k in e.members:
+            t = saved[k]
+            if not isinstance(t, torch.Tensor):
+                continue
+            for s in storages(t):
+                key = s._cdata
+                if key not in seen:
+                    seen.add(key)
+                    measured += s.nbytes()
+        total += measured
+        if abs(measured - e.nbytes) > TOLERANCE:
+            differences.append(Difference(e.name, tuple(names[k] for k in e.members), e.nbytes, measured, e.start,
+                                          e.end))
+    return total, differences
+
+
+def saved_term(differences: list[Difference]) -> MemoryTerm:
+    shown = "; ".join(f"{', '.join(d.tensors)}: {d.measured:,} B measured, {d.predicted:,} B modelled"
+                      for d in differences[:4])
+    more = f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
+    return MemoryTerm(SAVED_TERM, MEASURED, f"saved storages the model sized otherwise ({shown}{more})",
+                      tuple((d.start, d.end, d.measured - d.predicted) for d in differences))
+
+
+def add_term(plan: ShardPlan, term: MemoryTerm) -> None:
+    """``term`` into the plan's terms and its predicted peak after (the timeline after moves by its bytes)."""
+    plan.terms.append(term)
+    t = plan.timeline_after
+    if t is None or not term.spans:
+        return
+    live = (span_bytes([(s, e, b) for s, e, b in term.spans], len(t.steps)) + t.live_bytes).tolist()
+    plan.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
+    plan.peak_bytes_after = plan.timeline_after.peak_bytes
+
+
+class SavedAudit:
+    """The forward's check of what it saves (``fp8shard_audit``'s state): at the first call, compares and records;
+    until the program's first backward, counts the forward's calls (``calls``: under ThunderFX one compiled program
+    can serve several blocks of a step)."""
+
+    def __init__(self, plan: ShardPlan, expected: list[SavedStorage], names: list[str]):
+        self.plan, self.expected, self.names = plan, expected, names
+        self.done, self.counting, self.calls = False, True, 0
+
+    def __call__(self, saved) -> None:
+        if self.counting:
+            self.calls += 1
+        if self.done:
+            return
+        self.done = True
+        total, differences = compare(self.expected, self.names, list(saved))
+        self.plan.audit = {"measured_saved_bytes": total, "predicted_saved_bytes": sum(e.nbytes for e in self.expected),
+                           "differences": [d.__dict__ for d in differences],
+                           "peak_bytes_after_at_compilation": self.plan.peak_bytes_after}
+        if differences:
+            term = saved_term(differences)
+            add_term(self.plan, term)
+            warnings.warn(f"ShardIntermediates: the forward saves storages the memory model sized otherwise: "
+                          f"{term.how.split('(', 1)[1].rstrip(')')}; the plan's predicted peak now counts them",
+                          RuntimeWarning, stacklevel=2)
+
+    def __repr__(self) -> str:  # printed in the trace
+        return f"SavedAudit({len(self.expected)} storages)"
+
+
+class Calibration:
+    """The backward's check of the device's peak (``fp8shard_calibrate``'s state). ``peak(device)`` reads the device's
+    peak (:meth:`~thunder_fp8shard.memory.device.DeviceProbe.peak_allocated`; None on the CPU); ``agree`` takes this
+    rank's reading and returns the largest over the shard group; ``on_miss(error_bytes)`` is called, on every rank alike,
+    when the budget is missed; otherwise ``on_done()`` once the calibration is done (it removes both checks from the
+    program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). (A plain class: Thunder prints a dataclass constant in the trace field by field.)"""
+
+    def __init__(self, plan: ShardPlan, device: str | None, budget_bytes: int | None, agree: Callable[[int], int],
+                 on_miss: Callable[[int], None], audit: SavedAudit, on_done: Callable[[], str | None] | None = None,
+                 peak: Callable[[str | None], int | None] = peak_allocated):
+        self.plan, self.device, self.budget_bytes, self.agree, self.on_miss = plan, device, budget_bytes, agree, on_miss
+        self.peak = peak
+        self.audit, self.on_done, self.calls, self.done = audit, on_done, 0, False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.calls += 1
+        if self.calls == 1:  # the program's first backward: its forward ran this many times in the first step
+            self.audit.counting = False
+            self.plan.runs_per_step = max(self.audit.calls, 1)
+        if self.calls < CALIBRATION_CALL * self.plan.runs_per_step:  # the last backward of the calibration step
+            return
+        self.done = True
+        if not self._calibrate():  # a missed budget drops the program: nothing left to run without the checks
+            self._finish()
+
+    def _finish(self) -> None:
+        """Both checks are done: the program runs without them from the next call on (``on_done``)."""
+        did = self.on_done() if self.on_done is not None else None
+        self.plan.checks_removed = (f"after backward call {self.calls}: {did}" if did else
+                                    f"not removed after backward call {self.calls}: the program is not in Thunder's "
+                                    "cache (or the pass was given no cache); both return at once")
+
+    def _calibrate(self) -> bool:
+        """Reads the device's peak, records it, and replans a missed budget (returns True then)."""
+        mine = self.peak(self.device)
+        if mine is None:
+            return False
+        measured = self.agree(mine)
+        predicted = self.plan.peak_bytes_after
+        error = measured - predicted if predicted is not None else None
+        self.plan.calibration = {"measured_peak_bytes": measured, "own_peak_bytes": mine,
+                                 "predicted_peak_bytes": predicted, "error_bytes": error,
+                                 "error_pct": None if not predicted else 100.0 * error / predicted,
+                                 "at": f"end of backward call {CALIBRATION_CALL}"}
+        if self.budget_bytes is not None and measured > self.budget_bytes:
+            self.plan.calibration["budget_missed"] = True
+            warnings.warn(
+                f"ShardIntermediates: the device peaked at {measured:,} B, over the budget {self.budget_bytes:,} B "
+                f"(predicted {predicted:,} B): the next call recompiles and plans with the {error:,} B error as a "
+                "measured term", RuntimeWarning, stacklevel=3)
+            self.on_miss(error)
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"Calibration(call {CALIBRATION_CALL})"
+
+
+def cache_dropper(compile_stats) -> Callable[[], None]:
+    """A function dropping every compiled program of Thunder's cache (``compile_stats`` held weakly), so that the next
+    call compiles again."""
+    ref = weakref.ref(compile_stats) if compile_stats is not None else None
+
+    def drop() -> None:
+        cs = ref() if ref is not None else None
+        if cs is not None:
+            cs.interpreter_cache.clear()
+
+    return drop

@@ -1,0 +1,206 @@
+"""Run-time operators of ``fp8_forward_gather`` (see :mod:`thunder_fp8shard.fp8_gather` for where they go and why
+the result is bitwise today's). Two operators, so that per eligible TE linear weight the forward makes about one
+run-time call where Thunder made three (``all_gather``, ``wait``, ``te_functional_linear_fwd``, and the unpad
+slice where padded): the forward is bound by the host's issue time, and each operator call is paid.
+
+``(h1, ..., hk) = fp8shard_weight_gather_starts((t1, ..., tk), (q1, ..., qk), (r1, ..., rk), batch)``
+    one call for a run of adjacent forward all-gathers (Thunder's ``sort_waits`` puts them all at the top of the
+    forward). For each weight: casts this rank's valid rows of its parameter shard with a rowwise-only shallow copy
+    of the linear's weight quantizer (the same ``scale``; the kernel maxes the rows' amax into
+    ``amax_history[0][1]``, which ``te_fp8_amax_and_scale_update`` all-reduces with MAX before the scale update) and
+    issues the uint8 all-gather of the FP8 bytes over FSDP's group; returns one handle a weight.
+``(y, qa, qw) = fp8shard_te_linear_fwd(x, h, bias, q_in, q_w, spec)``
+    replaces ``wait`` [+ unpad slice] + ``te_functional_linear_fwd``: waits for the weight's all-gather, makes the
+    full weight a TE ``Float8Tensor`` (rowwise bytes of the gathered buffer, the scale-inverse TE's kernel wrote for
+    the shard), calls the TE linear forward Thunder's trace called (its Python implementation, taken from the
+    replaced bound symbol: TE takes the quantized weight as is, no second cast) and then turns the returned weight
+    columnwise-only (``update_usage(rowwise=False, columnwise=True)``, what TE does to a weight it quantized itself),
+    so the saved copy has today's layout (``_transpose`` only, from ``tex.fp8_transpose``) and the gathered rowwise
+    bytes die with the call, as TE's own copy did. Same outputs (proxies) as the linear it replaces.
+
+Per-call work is only what the operators must do: the constants (rows, shapes, the linear's implementation, the
+rowwise quantizer copy and whether the quantizer qualifies, whether the recipe qualifies) are worked out at the first
+call, or once per new quantizer or recipe object, and kept in the spec.
+
+Run-time fallback: where the recipe is not DelayedScaling with ``reduce_amax``, or the quantizer not a
+``Float8Quantizer`` (the recipe changed after compilation), or an ``internal`` one (TE's own cast would return a bare
+storage, not the Float8Tensor built here), the start all-gathers the bf16 shard as FSDP did and the linear operator
+hands TE the unpadded bf16 weight, which TE casts as today. The recipe is process-global and set by the same user
+code on every rank, so every rank falls back alike (the collectives still match: one all-gather either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from thunder.core.proxies import AnyProxy, TensorProxy
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from thunder_fp8shard.runtime.ops import executor
+
+_ASYNC = AllgatherOptions()
+_ASYNC.asyncOp = True
+_float8_tensor = None  # TE's Float8Tensor class, imported with the first qualifying quantizer
+
+
+class WeightGatherSpec:
+    """One weight's constants, made by the rewrite: FSDP's group, its size N and this rank's rank in it, the shard's
+    rows ``c`` (``ceil(out/N)``) and this rank's valid rows among them, the full weight's shape and nominal dtype, the
+    Python implementation of the TE linear forward it feeds; and, made at the first call (again only for a new
+    quantizer object), the rowwise-only quantizer copy, or None where the quantizer does not qualify."""
+
+    __slots__ = ("group", "world_size", "rank", "rows", "valid_rows", "out_features", "in_features", "dtype",
+                 "weight", "linear", "padded", "trimmed", "_copy_of", "_copy", "_cast")
+
+    def __init__(self, group, world_size: int, rank: int, rows: int, valid_rows: int, out_features: int,
+                 in_features: int, dtype: torch.dtype, weight: str = "", linear: Callable | None = None):
+        if not 0 < valid_rows <= rows or world_size * rows < out_features:
+            raise ValueError(f"fp8 forward gather of {weight}: {valid_rows} valid of {rows} rows a rank, {world_size} "
+                             f"ranks, {out_features} rows in all")
+        self.group, self.world_size, self.rank, self.rows, self.valid_rows = group, world_size, rank, rows, valid_rows
+        self.out_features, self.in_features, self.dtype, self.weight = out_features, in_features, dtype, weight
+        self.linear = linear
+        self.padded = valid_rows != rows  # this rank's shard has padding rows (left out of the cast)
+        self.trimmed = world_size * rows != out_features  # the gathered buffer has padding rows (sliced off)
+        self._copy_of, self._copy, self._cast = None, None, None
+
+    def rowwise_copy(self, quantizer):
+        """A shallow copy of ``quantizer`` (same ``scale`` and ``amax`` tensors) that casts rowwise only and returns
+        TE's internal storage, or None where ``quantizer`` is not a non-internal ``Float8Quantizer`` (the run-time
+        fallback); ``quantizer``'s own usage flags are never touched. Kept for the next call with the same
+        quantizer, with its cast (``quantize_impl``: what ``Quantizer.__call__`` runs for an internal quantizer
+        without autograd, called directly)."""
+        global _float8_tensor
+        if self._copy_of is not quantizer:
+            q = None
+            if type(quantizer).__name__ == "Float8Quantizer" and not getattr(quantizer, "internal", False):
+                q = quantizer.copy()
+                q.set_usage(rowwise=True, columnwise=False)
+                q.internal = True
+                if _float8_tensor is None:
+                    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+                    _float8_tensor = Float8Tensor
+            self._copy_of, self._copy, self._cast = quantizer, q, None if q is None else q.quantize_impl
+        return self._copy
+
+    def __str__(self) -> str:
+        return (f"{self.weight}: {self.out_features}x{self.in_features}, {self.valid_rows} of {self.rows} rows on rank "
+                f"{self.rank} of {self.world_size}")
+
+
+class GatherBatch:
+    """The specs of one ``fp8shard_weight_gather_starts`` call, in its argument order, and the last recipe object
+    checked (with its verdict), so that an unchanged recipe costs one identity test a call."""
+
+    __slots__ = ("specs", "_recipe", "_recipe_ok")
+
+    def __init__(self, specs):
+        self.specs = tuple(specs)
+        self._recipe, self._recipe_ok = None, False
+
+    def recipe_ok(self, recipe) -> bool:
+        if recipe is not self._recipe:
+            self._recipe, self._recipe_ok = recipe, exact_recipe(recipe) is None
+        return self._recipe_ok
+
+    def __str__(self) -> str:
+        return f"{len(self.specs)} weight(s): " + "; ".join(map(str, self.specs))
+
+
+class WeightGatherHandle(NamedTuple):
+    work: Any  # the all-gather's work object
+    buf: torch.Tensor | None  # the gathered buffer: uint8 [N*c, in] (fp8) or the bf16 [N*c, in] (fallback)
+    scale_inv: torch.Tensor | None  # fp8: the shard cast's scale-inverse (written by TE's kernel); None: fallback
+    fp8_dtype: Any
+    quantizer: Any  # fp8: the linear's weight quantizer (the Float8Tensor's, as TE's own cast would record it)
+    send: torch.Tensor | None = None  # what this rank sent, kept alive until the wait
+
+
+def exact_recipe(recipe) -> str | None:
+    """None where ``recipe`` makes the FP8 forward gather bitwise today's (DelayedScaling with ``reduce_amax``), else
+    why not. Used at compile time (the plan's note) and at run time (the fallback)."""
+    if recipe is None:
+        return "no FP8 recipe"
+    if type(recipe).__name__ != "DelayedScaling":
+        return (f"the FP8 recipe is {type(recipe).__name__}, not DelayedScaling (block scales cross the shard rows, or "
+                "a current scale is computed from the whole weight)")
+    if not getattr(recipe, "reduce_amax", False):
+        return ("DelayedScaling(reduce_amax=False): each rank would keep its own rows' amax and the ranks' scales "
+                "would diverge")
+    return None
+
+
+def start_one(shard: torch.Tensor, quantizer, fp8: bool, spec: WeightGatherSpec) -> WeightGatherHandle:
+    """One weight's part of ``fp8shard_weight_gather_starts``: with ``fp8`` (the recipe qualifies) and a qualifying
+    quantizer, cast this rank's valid rows and start the uint8 all-gather; else start FSDP's bf16 all-gather."""
+    q = spec.rowwise_copy(quantizer) if fp8 else None
+    n, c, cols = spec.world_size, spec.rows, spec.in_features
+    if q is None:  # fallback: FSDP's bf16 all-gather, as it was
+        buf = shard.new_empty((n * c, cols))
+        send = shard.contiguous()
+        return WeightGatherHandle(spec.group._allgather_base(buf, send, _ASYNC), buf, None, None, None, send)
+    if spec.padded:  # padding rows (uninitialized memory) never enter the amax nor the bytes
+        cast = spec._cast(shard[: spec.valid_rows])
+        send = torch.zeros((c, cols), dtype=torch.uint8, device=shard.device)
+        send[: spec.valid_rows].copy_(cast._data.view(torch.uint8))
+    else:
+        cast = spec._cast(shard)
+        send = cast._data
+        if send.dtype is not torch.uint8:
+            send = send.view(torch.uint8)
+    buf = torch.empty((n * c, cols), dtype=torch.uint8, device=shard.device)
+    work = spec.group._allgather_base(buf, send, _ASYNC)
+    return WeightGatherHandle(work, buf, cast._scale_inv, cast._fp8_dtype, quantizer, send)
+
+
+def _starts_meta(shards, quantizers, recipes, batch):
+    return tuple(AnyProxy(WeightGatherHandle(None, None, None, None, None), prefix="wgather") for _ in shards)
+
+
+def _starts(shards, quantizers, recipes, batch: GatherBatch) -> tuple[WeightGatherHandle, ...]:
+    return tuple(start_one(t, q, batch.recipe_ok(r), spec)
+                 for t, q, r, spec in zip(shards, quantizers, recipes, batch.specs))
+
+
+weight_gather_starts = executor.register_operator("fp8shard_weight_gather_starts", meta=_starts_meta, fn=_starts)
+
+def gathered_weight(handle: WeightGatherHandle, spec: WeightGatherSpec):
+    """Waits for ``handle``'s all-gather and returns the full weight: a TE ``Float8Tensor`` over the gathered rowwise
+    bytes (fp8), or the unpadded bf16 weight (fallback)."""
+    handle.work.wait()
+    full = handle.buf[: spec.out_features] if spec.trimmed else handle.buf
+    if handle.scale_inv is None:  # fallback: the bf16 weight, FSDP's unpad slice
+        return full
+    return _float8_tensor(shape=full.shape, dtype=spec.dtype, data=full, fp8_scale_inv=handle.scale_inv,
+                          fp8_dtype=handle.fp8_dtype, data_transpose=None, quantizer=handle.quantizer,
+                          requires_grad=False, device=full.device)
+
+
+def to_columnwise(qw, w8) -> None:
+    """What TE does to a weight it quantized itself after the GEMM (basic_linear.py, "Prepare weight tensor for
+    backward pass"): keep only the columnwise copy. TE returns a weight it was given (``w is weight``) unchanged, so
+    where ``qw`` is the gathered ``w8`` do it here; on the fallback TE quantized it and already did."""
+    if qw is w8 and hasattr(qw, "update_usage"):
+        qw.update_usage(rowwise_usage=False, columnwise_usage=True)
+
+
+def _linear_meta(a, handle, bias, input_quantizer, weight_quantizer, spec):
+    from thunder.core import dtypes
+
+    w = TensorProxy(like=a, shape=(spec.out_features, spec.in_features), dtype=dtypes.to_dtype(spec.dtype))
+    return TensorProxy(like=a, shape=(*a.shape[:-1], spec.out_features)), TensorProxy(like=a), w
+
+
+def _linear(a, handle: WeightGatherHandle, bias, input_quantizer, weight_quantizer, spec: WeightGatherSpec):
+    w = gathered_weight(handle, spec)
+    y, qa, qw = spec.linear(a, w, bias, input_quantizer, weight_quantizer)
+    to_columnwise(qw, w)
+    return y, qa, qw
+
+
+te_linear_fwd = executor.register_operator("fp8shard_te_linear_fwd", meta=_linear_meta, fn=_linear)
+
+OPERATORS = (weight_gather_starts, te_linear_fwd)

@@ -1,0 +1,449 @@
+"""Run-time operators the rewrite inserts: small Thunder operators (meta + Python implementation), one call per bucket.
+
+Forward:  ``shard, r1, ..., rb = fp8shard_shard(((t1, ..., tk), ...), spec)``: one call keeps this rank's shards of
+          ``b`` buckets in one tensor (packed back to back), and a restorer per bucket. ``spec`` is the op's
+          :class:`ShardSpec`, made by the rewrite (group, world size, planned bytes, method, verify, names). Where
+          the plan has compactions made by the op (``Compaction.shard_op``), the saved views to compact come as a
+          third argument and their compact copies after the restorers:
+          ``shard, r1, ..., rb, c1, ..., cm = fp8shard_shard(buckets, spec, (v1, ..., vm))``.
+Forward:  ``c1, ..., ck = fp8shard_compact((v1, ..., vk), copies)``: a compact copy of each saved view (see
+          :mod:`thunder_fp8shard.analysis.compaction`), saved instead of it; ``copies`` is the call site's
+          :class:`CompactCopies` (the views' dimension orders, worked out once).
+Checks:   ``fp8shard_audit((saved tensors), audit)`` before the forward's return and ``fp8shard_calibrate(
+          calibration)`` before the backward's (see :mod:`thunder_fp8shard.runtime.audit`): they compare the device with the
+          plan at the first calls, return at once after, and are removed from the program once both are done
+          (see :mod:`thunder_fp8shard.runtime.steady_state`).
+Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, group)`` (issues one bucket's
+          all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
+          of the gathered buffer, see :mod:`thunder_fp8shard.planning.layout`). Where a wait and the next bucket's start fall
+          at the same place (with ``prefetch >= 1``, at every bucket but the last), they are one call:
+          ``t1, ..., tk, next_handle = fp8shard_gather_next(handle, restorer, shard, offset, nbytes, world_size,
+          group)`` (waits, then issues the next all-gather), so a bucket costs the backward one operator call.
+
+Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives); the gathered
+buffer is the bucket's layout padded to a multiple of the world size, so no byte is ever dropped.
+
+The operators run tens of times a step in a training loop whose forward is CPU-bound, so a call does only what
+depends on that call's tensors: take the payloads apart, cut this rank's pieces (one view each), copy them into the
+shard (one ``cat``), and in backward view each member out of the gathered buffer (one ``as_strided`` each). The rest
+(the byte layouts, this rank's rank and pieces, the members' shapes, strides and offsets) is worked out on a shard op's
+first call, from the buffers the payload kinds hand over, and kept in its spec as a :class:`_Program`; every call
+checks that the buffers still have the kinds, shapes and dtypes it was worked out for (a change is worked out again;
+bytes other than planned raise). While a profiler runs, each operator runs under a ``record_function`` range named
+after it. The executor below is never passed to ``thunder.jit``: operators inserted after
+``transform_for_execution`` run through their bound symbols' call context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from thunder.core import dtypes
+from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.core.symbol import default_python_printer
+from thunder.extend import OperatorExecutor
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from thunder_fp8shard.runtime import payload
+from thunder_fp8shard.planning.layout import BucketLayout, bucket_layout, packed_offsets
+
+executor = OperatorExecutor("fp8shard")
+
+_profiler = torch.autograd.profiler  # its _is_profiler_enabled is True while torch.profiler records
+_UINT8 = torch.uint8
+_PLAIN = payload.PLAIN
+_KIND_OF_TYPE = payload.BY_TYPE
+
+
+def _register(name: str, meta, fn, **kwargs):
+    """``fn`` (a function of this module) as the operator ``name``, under a ``record_function`` range named after it
+    while a profiler runs. ``fn`` is looked up by its name at each call, so that a benchmark can replace it
+    (``benchmarks/paired.py --comm-stream`` replaces ``_gather_start``)."""
+    here, key = globals(), fn.__name__
+
+    def profiled(*args):
+        if _profiler._is_profiler_enabled:
+            with torch.profiler.record_function(name):
+                return here[key](*args)
+        return here[key](*args)
+
+    profiled.__name__ = profiled.__qualname__ = f"{name}_impl"
+    return executor.register_operator(name, meta=meta, fn=profiled, **kwargs)
+
+
+class ShardSpec:
+    """One shard op's constants, made by the rewrite and baked into its bound symbol; the op keeps the
+    :class:`_Program` it works out on its first call here."""
+
+    __slots__ = ("group", "world_size", "bucket_nbytes", "method", "verify", "names", "program", "copies")
+
+    def __init__(self, group, world_size: int, bucket_nbytes: tuple[int, ...], method: str, verify: bool,
+                 names: tuple[tuple[str, ...], ...]):
+        self.group, self.world_size, self.bucket_nbytes = group, world_size, tuple(bucket_nbytes)
+        self.method, self.verify, self.names = method, verify, names
+        self.program: _Program | None = None
+        self.copies = CompactCopies()  # the compact copies the op makes, where it makes any
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes of the op's output: its buckets' shards, packed."""
+        return sum(self.bucket_nbytes)
+
+    def __str__(self) -> str:
+        return (f"{self.shard_nbytes:,} B a rank: 1/{self.world_size} of {len(self.bucket_nbytes)} bucket(s) "
+                f"({self.method}{', verified' if self.verify else ''})")
+
+
+class _Restore:
+    """How one bucket's members come back from its gathered buffer: for each distinct dtype but ``uint8``, a view of
+    the buffer (``typed``: dtype, and the bytes that view covers where the buffer's length is not a multiple of the
+    dtype's size); for each member, its payload kind (None: a plain tensor, returned as is) and for each of its
+    buffers ``(view index (0: the buffer itself), shape, stride, offset in elements)``; ``plain``: those segments
+    alone where every member is a plain tensor (the common case: no kind to call)."""
+
+    __slots__ = ("typed", "members", "plain")
+
+    def __init__(self, typed, members):
+        self.typed, self.members = typed, members
+        self.plain = tuple(s for _, (s,) in members) if all(kind is None for kind, _ in members) else None
+
+    def __call__(self, buf: torch.Tensor, states: list) -> tuple:
+        views = [buf]
+        for dtype, nbytes in self.typed:
+            views.append((buf if nbytes is None else buf[:nbytes]).view(dtype))
+        if self.plain is not None:
+            return tuple([views[i].as_strided(shape, stride, offset) for i, shape, stride, offset in self.plain])
+        out = []
+        for (kind, segments), state in zip(self.members, states):
+            if kind is None:
+                ((i, shape, stride, offset),) = segments
+                out.append(views[i].as_strided(shape, stride, offset))
+            else:
+                out.append(kind.give(state, [views[i].as_strided(shape, stride, offset)
+                                             for i, shape, stride, offset in segments]))
+        return tuple(out)
+
+
+class Restorer:
+    """What, besides the gathered bytes, rebuilds a bucket's members (kept whole on every rank): the bucket's static
+    :class:`_Restore` and its members' restore states (None for plain tensors). Used once: the wait takes the states
+    out, so that nothing here keeps a restored object, and through it the gathered buffer, alive (Thunder's autograd
+    context holds the saved non-tensors until the whole backward is done)."""
+
+    __slots__ = ("_restore", "_states")
+
+    def __init__(self, restore: _Restore | None, states: list | None):
+        self._restore, self._states = restore, states
+
+    @property
+    def taken(self) -> bool:
+        """Whether the members were restored (and the restorer holds nothing more)."""
+        return self._states is None
+
+    def restore(self, buf: torch.Tensor) -> tuple:
+        states, self._states = self._states, None
+        if states is None:
+            raise RuntimeError("ShardIntermediates: a sharded bucket was restored twice (backward run twice?)")
+        return self._restore(buf, states)
+
+
+class _Program:
+    """What a shard op works out from the buffers its payloads hand over, kept while they have the same kinds
+    (``kinds``, ``counts``: a kind and a number of buffers a member), ``shapes`` and ``dtypes``: this rank's
+    ``pieces`` in shard order, each ``(buffer index, first byte, bytes, retype, offset in the shard)`` (``retype``:
+    view the buffer as ``uint8`` first), whether they ``tiled`` the shard exactly, the ``dtype`` the pieces are
+    copied in (their common one-byte dtype, else ``uint8``), the buckets' ``layouts`` and ``offsets`` in the shard,
+    and a :class:`_Restore` a bucket (``restores``)."""
+
+    __slots__ = ("kinds", "counts", "shapes", "dtypes", "pieces", "tiled", "dtype", "layouts", "offsets", "restores")
+
+
+def _program(spec: ShardSpec, buckets, kinds: list, counts: list[int], buffers: list[torch.Tensor]) -> _Program:
+    world_size, rank = spec.world_size, dist.get_rank(spec.group)
+    prog = _Program()
+    prog.kinds, prog.counts = kinds, counts
+    prog.shapes, prog.dtypes = [b.shape for b in buffers], [b.dtype for b in buffers]
+    layouts, first_buffer, restores = [], [], []
+    m = k = 0  # the bucket's first member and first buffer
+    for objs in buckets:
+        n = sum(counts[m : m + len(objs)])
+        lay = bucket_layout([b.nbytes for b in buffers[k : k + n]], world_size)
+        layouts.append(lay)
+        first_buffer.append(k)
+        restores.append(_bucket_restore(lay, kinds[m : m + len(objs)], counts[m : m + len(objs)], buffers[k : k + n]))
+        m, k = m + len(objs), k + n
+    sizes = tuple(lay.shard_nbytes for lay in layouts)
+    if sizes != spec.bucket_nbytes:
+        by_bucket = f" (by bucket {list(sizes)} against {list(spec.bucket_nbytes)})" if len(sizes) > 1 else ""
+        raise RuntimeError(f"ShardIntermediates: the shard op's payload is {sum(sizes):,} B a rank, the plan "
+                           f"said {spec.shard_nbytes:,} B{by_bucket} (did a saved tensor change shape or dtype?)")
+    prog.layouts, (prog.offsets, total) = tuple(layouts), packed_offsets(sizes)
+    pieces, tiled = [], 0  # (buffer index, first byte, bytes, offset in the shard)
+    for lay, k0, at in zip(layouts, first_buffer, prog.offsets):
+        for seg, start, stop, off in lay.pieces(rank):
+            pieces.append((k0 + seg, start, stop - start, at + off))
+            tiled = tiled + stop - start if at + off == tiled else -1
+    prog.tiled = bool(pieces) and tiled == total
+    read = {prog.dtypes[k] for k, *_ in pieces}
+    prog.dtype = read.pop() if len(read) == 1 and buffers[pieces[0][0]].element_size() == 1 else _UINT8
+    prog.pieces = tuple((k, start, n, prog.dtypes[k] is not prog.dtype, at) for k, start, n, at in pieces)
+    prog.restores = tuple(restores)
+    return prog
+
+
+def _bucket_restore(lay: BucketLayout, kinds: list, counts: list[int], buffers: list[torch.Tensor]) -> _Restore:
+    typed: list[tuple[torch.dtype, int | None]] = []
+    index = {_UINT8: 0}
+    segments = []
+    for b, offset in zip(buffers, lay.offsets):
+        size = b.element_size()
+        if b.dtype not in index:
+            index[b.dtype] = len(typed) + 1
+            whole = lay.gathered_nbytes - lay.gathered_nbytes % size
+            typed.append((b.dtype, None if whole == lay.gathered_nbytes else whole))
+        # offsets are multiples of ALIGN, hence of any element size
+        segments.append((index[b.dtype], tuple(b.shape), _contiguous_strides(b.shape), offset // size))
+    members, k = [], 0
+    for kind, n in zip(kinds, counts):
+        members.append((None if kind is _PLAIN else kind, tuple(segments[k : k + n])))
+        k += n
+    return _Restore(tuple(typed), tuple(members))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+# ---- forward: keep 1/N of one or more buckets of replicated payloads ------------------------------------------------
+
+
+def _shard_meta(buckets, spec: ShardSpec, views=()):
+    shard = TensorProxy(like=buckets[0][0], shape=(spec.shard_nbytes,), dtype=dtypes.uint8, requires_grad=False)
+    restorers = (AnyProxy(Restorer(None, None), prefix="restore") for _ in buckets)  # names the type
+    return (shard, *restorers, *_compact_meta(views, spec.copies))
+
+
+def _shard(buckets, spec: ShardSpec, views=()):
+    buffers, kinds, counts, states = [], [], [], []
+    for objs in buckets:
+        bucket_states = []
+        for obj in objs:
+            kind = _KIND_OF_TYPE.get(type(obj)) or payload.kind_of(obj)
+            if kind is _PLAIN:  # the tensor is its one buffer, and needs no state to come back
+                buffers.append(obj)
+                bucket_states.append(None)
+                counts.append(1)
+            else:
+                member_buffers, state = kind.take(obj)
+                buffers += member_buffers
+                bucket_states.append(state)
+                counts.append(len(member_buffers))
+            kinds.append(kind)
+        states.append(bucket_states)
+    prog = spec.program
+    if (prog is None or kinds != prog.kinds or counts != prog.counts or [b.shape for b in buffers] != prog.shapes
+            or [b.dtype for b in buffers] != prog.dtypes):
+        prog = spec.program = _program(spec, buckets, kinds, counts, buffers)
+    if spec.verify:
+        _verify(spec, counts, buffers)
+    if spec.method == "reduce_scatter":
+        shard = _reduce_scatter(spec, prog, buffers)
+    else:
+        shard = _slice(spec, prog, buffers)
+    return (shard, *[Restorer(r, s) for r, s in zip(prog.restores, states)], *(spec.copies(views) if views else ()))
+
+
+def _slice(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's bytes of the buckets: only they are read, and the copy is a fresh allocation, so the full buffers
+    are freed once the forward drops them. The common case is one copy kernel: the pieces tile the shard exactly."""
+    pieces = []
+    for k, start, n, retype, _ in prog.pieces:
+        b = buffers[k]
+        if not b.is_contiguous():
+            b = b.contiguous()
+        if retype:
+            b = b.view(_UINT8)
+        pieces.append(b.as_strided((n,), (1,), b.storage_offset() + start))
+    if prog.tiled:
+        shard = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
+    else:
+        shard = torch.empty(spec.shard_nbytes, dtype=prog.dtype, device=buffers[0].device)
+        for src, (*_, at) in zip(pieces, prog.pieces):
+            shard[at : at + src.numel()].copy_(src)
+    return shard if prog.dtype is _UINT8 else shard.view(_UINT8)
+
+
+def _reduce_scatter(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torch.Tensor:
+    device = buffers[0].device
+    shard = torch.empty(spec.shard_nbytes, dtype=_UINT8, device=device)
+    k = 0
+    for lay, at in zip(prog.layouts, prog.offsets):
+        full = torch.zeros(lay.gathered_nbytes, dtype=_UINT8, device=device)
+        for b, off, size in zip(buffers[k : k + len(lay.sizes)], lay.offsets, lay.sizes):
+            full[off : off + size].copy_(payload.as_bytes(b))
+        k += len(lay.sizes)
+        # identical replicas: MAX of equal bytes is those bytes
+        dist.reduce_scatter_tensor(shard[at : at + lay.shard_nbytes], full, op=dist.ReduceOp.MAX, group=spec.group)
+    return shard
+
+
+def _verify(spec: ShardSpec, counts: list[int], buffers: list[torch.Tensor]) -> None:
+    k = 0
+    for name, n in zip((name for names in spec.names for name in names), counts):
+        check_identical_across_ranks([payload.as_bytes(b) for b in buffers[k : k + n]], spec.group, name)
+        k += n
+
+
+def _shard_printer(bsym, out_printables, arg_printables, kwarg_printables) -> str:
+    """The default line, and what the spec (printed as a name) holds."""
+    line = default_python_printer(bsym, out_printables, arg_printables, kwarg_printables)
+    return f"{line}  # {bsym.args[1]}"
+
+
+shard = _register("fp8shard_shard", _shard_meta, _shard, python_printer=_shard_printer)
+
+
+def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) -> None:
+    """Raises on every rank if the ranks' payloads differ (all-gathers a SHA-256 digest of each rank's bytes)."""
+    h = hashlib.sha256()
+    for flat in flats:
+        h.update(flat.detach().cpu().numpy().tobytes())
+    mine = torch.tensor(list(h.digest()), dtype=torch.uint8, device=flats[0].device)
+    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.uint8, device=mine.device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    digests = everyone.view(-1, mine.numel())
+    differing = [r for r in range(digests.shape[0]) if not torch.equal(digests[r], digests[0])]
+    if differing:
+        raise RuntimeError(
+            f"ShardIntermediates(verify=True): saved tensor {name!r} is not identical on every rank "
+            f"(ranks {differing} differ from rank 0), so it cannot be rebuilt from shards. The replication analysis "
+            "accepted a per-rank tensor: please report this with the forward trace."
+        )
+
+
+# ---- backward: all-gather the shards and rebuild ------------------------------------------------------------------
+
+
+_ASYNC = AllgatherOptions()
+_ASYNC.asyncOp = True
+
+
+class GatherHandle(NamedTuple):
+    """An all-gather in flight: its work handle and the buffer it fills."""
+
+    work: Any
+    buffer: torch.Tensor
+
+
+def _gather_start_meta(shard, offset: int, nbytes: int, world_size: int, group):
+    return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
+
+
+def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, world_size: int, group) -> GatherHandle:
+    mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
+    out = shard.new_empty(nbytes * world_size)
+    # the call dist.all_gather_into_tensor(out, mine, group=group, async_op=True) makes, without its argument checks
+    # (4-6 us of Python a call): plain uint8 tensors of ours, a group this rank is in, never in a coalescing manager
+    return GatherHandle(group._allgather_base(out, mine, _ASYNC), out)
+
+
+gather_start = _register("fp8shard_gather_start", _gather_start_meta, _gather_start)
+
+
+def _gather_wait_meta(handle, restorer):
+    raise NotImplementedError("fp8shard_gather_wait is bound by the rewrite with the restored proxies as its outputs")
+
+
+def _gather_wait(handle: GatherHandle, restorer: Restorer) -> tuple:
+    handle.work.wait()
+    return restorer.restore(handle.buffer)
+
+
+gather_wait = _register("fp8shard_gather_wait", _gather_wait_meta, _gather_wait)
+
+
+def _gather_next_meta(handle, restorer, shard, offset: int, nbytes: int, world_size: int, group):
+    raise NotImplementedError("fp8shard_gather_next is bound by the rewrite with the restored proxies and the next "
+                              "handle as its outputs")
+
+
+def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
+                 world_size: int, group) -> tuple:
+    """One bucket's wait and a later bucket's start, as one call: the members of the one, the handle of the other."""
+    return (*_gather_wait(handle, restorer), _gather_start(shard, offset, nbytes, world_size, group))
+
+
+gather_next = _register("fp8shard_gather_next", _gather_next_meta, _gather_next)
+
+
+# ---- forward: compact copies of saved views -------------------------------------------------------------------------
+
+
+class CompactCopies:
+    """One call site's compact copies (an ``fp8shard_compact`` call, or a shard op's, see :class:`ShardSpec`): each
+    view's copy is a fresh tensor of the view's own bytes holding its values, its dimensions laid out in the view's
+    order (outermost stride first), so that whatever reads it sees the same layout order. The orders are worked out
+    at the first call and kept while the views' strides stay the same (as :class:`_Program` is for a shard op)."""
+
+    __slots__ = ("strides", "orders")
+
+    def __init__(self):
+        self.strides: list | None = None
+        self.orders: list | None = None
+
+    def __call__(self, views) -> tuple:
+        strides = [v.stride() for v in views]
+        if strides != self.strides:
+            # stable: equal strides keep their order
+            self.orders = [sorted(range(len(st)), key=lambda d, st=st: -st[d]) for st in strides]
+            self.strides = strides
+        return tuple([torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device).copy_(v)
+                      for v, order in zip(views, self.orders)])
+
+    def __repr__(self) -> str:  # printed in the trace
+        return "CompactCopies()"
+
+
+def _compact_meta(views, copies=None):
+    return tuple(TensorProxy(like=v, requires_grad=False) for v in views)
+
+
+def _compact(views, copies: CompactCopies | None = None) -> tuple:
+    """A compact copy of each view (see :class:`CompactCopies`; ``copies``: the call site's, None: worked out anew)."""
+    return (copies or CompactCopies())(views)
+
+
+compact = _register("fp8shard_compact", _compact_meta, _compact)
+
+
+# ---- run-time checks against the plan (thunder_fp8shard.runtime.audit) -----------------------------------------------------
+
+
+def _audit_meta(saved, audit):
+    return None
+
+
+def _audit(saved, audit) -> None:
+    audit(saved)
+
+
+audit = _register("fp8shard_audit", _audit_meta, _audit)
+
+
+def _calibrate_meta(calibration):
+    return None
+
+
+def _calibrate(calibration) -> None:
+    calibration()
+
+
+calibrate = _register("fp8shard_calibrate", _calibrate_meta, _calibrate)
+

@@ -1,0 +1,130 @@
+"""Run-time payloads: which buffers of a saved object are sharded, and how the object gets them back.
+
+A payload kind ``take``\\ s an object apart into its large buffers (sharded across ranks; any dtype, made contiguous)
+and a small restore state (kept whole on every rank), and ``give``\\ s the object back from views of the gathered
+bytes with the buffers' shapes and dtypes. After ``take`` nothing that the pass keeps references the large
+buffers, so they are freed as soon as the forward trace drops the object.
+
+Plain tensors of any dtype (float8 included) are one kind: the tensor itself is its buffer, and it comes back as a
+view. TransformerEngine's quantized tensors are another (:mod:`thunder_fp8shard.runtime.payload_te`): the object itself is
+kept, without its data buffers, and gets views back; nothing is constructed in backward. Register further kinds with
+:func:`register_payload_kind`; the pass itself does not change. Which kind handles an object is decided by its type
+(:func:`kind_of`, cached): the run-time operators ask once a saved object a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class PayloadKind(Protocol):
+    name: str
+
+    def matches(self, obj: Any) -> bool:
+        """Whether this kind handles ``obj``; decided by the object's type alone (:func:`kind_of` caches it by type)."""
+
+    def take(self, obj: Any) -> tuple[list[torch.Tensor], Any]:
+        """The object's large buffers, and the state that rebuilds it from them; ``obj`` must not be used after."""
+
+    def give(self, state: Any, buffers: list[torch.Tensor]) -> Any:
+        """The object rebuilt from ``state`` and tensors equal to the buffers ``take`` returned (same shapes and
+        dtypes, contiguous)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One saved object of a bucket, taken apart: its kind, its restore state, and its buffers' shapes and dtypes."""
+
+    kind: str
+    state: Any
+    buffers: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+class PlainTensorPayload:
+    """A dense torch tensor: its own (contiguous) bytes; it comes back as a contiguous view of the same shape."""
+
+    name = "tensor"
+
+    def matches(self, obj: Any) -> bool:
+        return type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter
+
+    def take(self, obj: torch.Tensor) -> tuple[list[torch.Tensor], Any]:
+        return [obj], None
+
+    def give(self, state: Any, buffers: list[torch.Tensor]) -> torch.Tensor:
+        return buffers[0]
+
+
+PLAIN = PlainTensorPayload()  # the run-time operators handle this kind inline: the tensor is its one buffer
+_KINDS: list[PayloadKind] = [PLAIN]
+_BY_NAME: dict[str, PayloadKind] = {k.name: k for k in _KINDS}
+BY_TYPE: dict[type, PayloadKind] = {}  # kind_of's cache (read directly by the run-time operators)
+
+
+def register_payload_kind(kind: PayloadKind) -> None:
+    """Adds a payload kind; it is tried before those registered earlier."""
+    _KINDS.insert(0, kind)
+    _BY_NAME[kind.name] = kind
+    BY_TYPE.clear()
+
+
+def unregister_payload_kind(name: str) -> None:
+    """Removes the payload kind named ``name``."""
+    _KINDS[:] = [k for k in _KINDS if k.name != name]
+    _BY_NAME.pop(name)
+    BY_TYPE.clear()
+
+
+def kind_of(obj: Any) -> PayloadKind:
+    """The payload kind that handles ``obj``: the most recently registered that matches its type (cached by type)."""
+    kind = BY_TYPE.get(type(obj))
+    if kind is None:
+        kind = next((k for k in _KINDS if k.matches(obj)), None)
+        if kind is None:
+            raise TypeError(
+                f"ShardIntermediates: no payload kind handles a saved object of type {type(obj).__qualname__}; "
+                "register one with thunder_fp8shard.runtime.payload.register_payload_kind"
+            )
+        BY_TYPE[type(obj)] = kind
+    return kind
+
+
+def take(obj: Any) -> tuple[list[torch.Tensor], Member]:
+    """The large buffers of ``obj`` and the :class:`Member` that rebuilds it (see :func:`give`). The payload is each
+    buffer's bytes in contiguous order (:func:`as_bytes`)."""
+    kind = kind_of(obj)
+    buffers, state = kind.take(obj)
+    return buffers, Member(kind.name, state, tuple((tuple(b.shape), b.dtype) for b in buffers))
+
+
+def give(member: Member, buffers: list[torch.Tensor]) -> Any:
+    return _BY_NAME[member.kind].give(member.state, buffers)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, in contiguous order, as a flat ``uint8`` tensor (a view when ``t`` is contiguous)."""
+    t = t.contiguous()
+    if t.dim() != 1:
+        t = t.view(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def from_bytes(flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A view of ``flat`` (``uint8``, suitably aligned) as a contiguous tensor of ``shape`` and ``dtype``."""
+    return (flat if dtype == torch.uint8 else flat.view(dtype)).view(shape)
+
+
+try:  # TransformerEngine's quantized tensors exist only where TransformerEngine is installed
+    from thunder_fp8shard.runtime.payload_te import EXTRA_KINDS, TransformerEnginePayload
+except ImportError:
+    pass
+else:
+    for _kind in (*EXTRA_KINDS, TransformerEnginePayload()):
+        register_payload_kind(_kind)
