@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-# a torch.compile region the pass cannot replay fails the test instead of a warning (thunder_fp8shard.aliasing); set
+# a torch.compile region the pass cannot replay fails the test instead of a warning (thunder_fp8shard.analysis.aliasing); set
 # before the rank pool's fork server starts, so its workers have it too
 os.environ.setdefault("THUNDER_FP8SHARD_STRICT_REPLAY", "1")
 

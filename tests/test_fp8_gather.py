@@ -1,4 +1,4 @@
-"""``fp8_forward_gather`` on the CPU, without TransformerEngine (thunder_fp8shard.fp8_gather): which TE linear weights
+"""``fp8_forward_gather`` on the CPU, without TransformerEngine (thunder_fp8shard.rewrite.fp8_gather): which TE linear weights
 are gathered in FP8 and why the others are not, on synthetic forward traces shaped like Thunder FSDP ZeRO-3 + TE's
 executor (``all_gather -> wait [-> slice] -> te_functional_linear_fwd``, the recipe/state/quantizer getters); the
 mechanical rewrite; the plan's rows and bytes; the recipe check the run-time fallback shares; and that a real Thunder
@@ -422,7 +422,7 @@ def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
 
 def test_the_ranks_fingerprint_covers_the_forward_gather_decisions():
     """A weight gathered in FP8 on one rank and in bf16 on another would hang the forward: the collectives the ranks
-    compare before the rewrite (thunder_fp8shard.agreement) include each row's shape and choice."""
+    compare before the rewrite (thunder_fp8shard.distributed.agreement) include each row's shape and choice."""
     from thunder_fp8shard.distributed.agreement import collectives
     from thunder_fp8shard.plan import ForwardGather
 

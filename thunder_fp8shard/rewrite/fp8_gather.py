@@ -4,7 +4,7 @@ of ``docs/fp8_forward_gather.md``).
 Under Thunder FSDP the forward all-gathers each bf16 parameter shard and TE's linear then casts the full weight to
 FP8 on every rank. Where the gathered weight's only use is one ``te_functional_linear_fwd``, this rewrite has each
 rank cast only its own rows and all-gather the FP8 bytes instead (run-time operators in
-:mod:`thunder_fp8shard.fp8_gather_ops`). It is exact (bitwise today's FP8 bytes, scale-inverse, amax history and
+:mod:`thunder_fp8shard.runtime.fp8_gather_ops`). It is exact (bitwise today's FP8 bytes, scale-inverse, amax history and
 scales) under the conditions :func:`find_sites` checks; a weight failing one keeps its bf16 gather and the plan says
 why:
 

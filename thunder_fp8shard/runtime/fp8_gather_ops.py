@@ -1,4 +1,4 @@
-"""Run-time operators of ``fp8_forward_gather`` (see :mod:`thunder_fp8shard.fp8_gather` for where they go and why
+"""Run-time operators of ``fp8_forward_gather`` (see :mod:`thunder_fp8shard.rewrite.fp8_gather` for where they go and why
 the result is bitwise today's). Two operators, so that per eligible TE linear weight the forward makes about one
 run-time call where Thunder made three (``all_gather``, ``wait``, ``te_functional_linear_fwd``, and the unpad
 slice where padded): the forward is bound by the host's issue time, and each operator call is paid.
