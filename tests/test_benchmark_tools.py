@@ -244,8 +244,11 @@ def test_another_revision_of_the_pass_imports_beside_this_one(tmp_path):
 
     other = revisions.import_revision("HEAD", str(tmp_path))
     assert other.__name__ == "thunder_fp8shard_rev" and other.ShardIntermediates is not ShardIntermediates
-    assert other.ops.executor.name != ops.executor.name and other.ops.shard.name != ops.shard.name
-    assert other.ops.payload.__name__ == "thunder_fp8shard_rev.payload"
+    import importlib
+
+    other_ops = importlib.import_module("thunder_fp8shard_rev.runtime.ops")
+    assert other_ops.executor.name != ops.executor.name and other_ops.shard.name != ops.shard.name
+    assert other_ops.payload.__name__ == "thunder_fp8shard_rev.runtime.payload"
 
 
 @pytest.mark.parametrize("argv, error", [
