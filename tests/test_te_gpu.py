@@ -460,7 +460,7 @@ def test_fp8_forward_all_gather_fused_linear_matches_te(out, cols, n):
     from thunder.executors.transformer_engineex_impl import _linear_fwd_impl
     from transformer_engine.common.recipe import DelayedScaling, MXFP8BlockScaling
 
-    from thunder_fp8shard import fp8_gather_ops as gops
+    from thunder_fp8shard.runtime import fp8_gather_ops as gops
 
     rows, scale = -(-out // n), 2.0 ** -3
     w = _weight_with_extremes(out, cols, scale)
