@@ -1,5 +1,4 @@
 import os
-import socket
 
 import pytest
 import torch
@@ -16,11 +15,9 @@ def single_rank_group():
     if dist.is_initialized():
         yield dist.group.WORLD
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # an in-memory store: no TCP port to pick (none to collide with the rank pool's, or another xdist worker's)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
 
@@ -76,11 +73,21 @@ def _tier(item) -> str:
     return next(t for t in ORDER if item.get_closest_marker(t))
 
 
+def _xdist_group(item) -> str:
+    """The ``xdist_group`` of a test under ``pytest -n 2 --dist loadgroup`` (``make test``): every multi-rank test in
+    one group, so that one xdist worker runs them all on its one rank pool (one fork server, one set of gloo workers,
+    no two pools competing for the two cores); every other test with its module, so that a module's fixtures are made
+    once. The other worker runs the in-process tests, the simulated ranks and the notebook meanwhile."""
+    return "multirank" if item.get_closest_marker("multirank") else item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Every item gets its tier: nbmake's notebooks ``notebook``, tests without another tier ``unit`` (select with
     ``-m unit``, ``-m "not multirank"``, ...); a test on the session's gloo workers must be marked ``multirank``.
     The tiers run in ``ORDER`` (within one, in the order collected): the in-process tests first, while the rank pool's
-    fork server imports torch and Thunder on the other core."""
+    fork server imports torch and Thunder on the other core. Under pytest-xdist each item gets its ``xdist_group``."""
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.notebook)
@@ -89,12 +96,17 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} runs on the gloo rank pool: mark it multirank")
         if not tiers:
             item.add_marker(pytest.mark.unit)
+        if xdist:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     items.sort(key=lambda item: ORDER.index(_tier(item)))
 
 
 def pytest_collection_finish(session):
     """Starts the rank pool's fork server if a selected test will use it (after collection: the workers import the
-    test modules from the ``sys.path`` of this moment)."""
+    test modules from the ``sys.path`` of this moment). Not in an xdist worker: which worker runs the multi-rank tests
+    is known only when they come, and the first pool start starts the server then."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any(POOL_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
         from thunder_fp8shard.testing.harness import start_pool_server
 
