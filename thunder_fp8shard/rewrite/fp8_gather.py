@@ -1,4 +1,4 @@
-"""``fp8_forward_gather`` (experimental, off by default): all-gather TE linear weights in FP8 in the forward (stage A
+"""``fp8_forward_gather`` (on by default): all-gather TE linear weights in FP8 in the forward (stage A
 of ``docs/fp8_forward_gather.md``).
 
 Under Thunder FSDP the forward all-gathers each bf16 parameter shard and TE's linear then casts the full weight to
@@ -432,8 +432,7 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
     if not enabled:
         return ForwardGatherPlan((), (), ())
     if not (setup_name or "").startswith("Thunder FSDP"):
-        return ForwardGatherPlan((), (), (f"fp8_forward_gather: no effect under {setup_name or 'no distributed setup'}"
-                                          " (only Thunder FSDP all-gathers weights in the traced forward)",))
+        return ForwardGatherPlan((), (), ())  # only Thunder FSDP all-gathers weights in the traced forward
     if default_world_size is None or rank is None:
         import torch.distributed as dist
 
@@ -443,8 +442,8 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
     sites = tuple(find_sites(fw, bw, group=group, world_size=world_size, default_world_size=default_world_size,
                              recipe_problem=gops.exact_recipe(recipe)))
     rows = tuple(decisions(sites, world_size))
-    if not sites:
-        notes = ("fp8_forward_gather: no TE linear weight is all-gathered in the forward",)
+    if not sites:  # no TE linear weight is all-gathered in the forward: nothing to say (the option is on by default)
+        notes = ()
     elif any(s.why is None for s in sites):
         notes = ("fp8_forward_gather: the memory model still counts the FP8-gathered weights' forward all-gathers in "
                  "bf16 (an over-estimate of their 1 B/element buffers)",)
