@@ -7,9 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-# inner buffers of TransformerEngine's quantized tensors (wrapper subclasses without storage of their own)
-_INNER_BUFFERS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv",
-                  "_columnwise_scale_inv")
+from thunder_fp8shard.runtime.audit import storages  # the one storage walk (TE's quantized tensors: their buffers')
 
 
 class SavedBytes:
@@ -31,21 +29,13 @@ class SavedBytes:
         return sum(nbytes for _, nbytes in self._storages.values())
 
     def add(self, t: torch.Tensor) -> None:
-        for s in _storages(t):
+        for s in storages(t):
             self._storages.setdefault(id(s), (s, s.nbytes()))
 
     def close(self) -> None:
         """Keep the total, let go of the storages."""
         self._total = self.total
         self._storages.clear()
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    if type(t) in (torch.Tensor, torch.nn.Parameter):
-        return [t.untyped_storage()]
-    inner = [getattr(t, a, None) for a in _INNER_BUFFERS]
-    found = [s for b in inner if isinstance(b, torch.Tensor) for s in _storages(b)]
-    return found or [t.untyped_storage()]
 
 
 @contextlib.contextmanager
