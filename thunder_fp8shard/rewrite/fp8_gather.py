@@ -110,13 +110,12 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)}
     recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
     position = {id(b): i for i, b in enumerate(body)}
-    updated_at = {p.name: i for i, b in enumerate(body) if _name(b).startswith(TE_SCALE_UPDATE)
-                  for p in b.flat_proxy_args}  # each proxy (a TE state among them): its last scale update
-    first_update = {}
+    first_update, last_update = {}, {}  # each proxy (a TE state among them): its first and last scale update
     for i, b in enumerate(body):
         if _name(b).startswith(TE_SCALE_UPDATE):
             for p in b.flat_proxy_args:
                 first_update.setdefault(p.name, i)
+                last_update[p.name] = i
     sites = []
     for lin in body:
         if not _name(lin).startswith(TE_LINEAR_FWD):
@@ -143,15 +142,15 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
         qb = producer.get(getattr(q_w, "name", None))
         gathered = sl.args[0] if sl is not None else w
         if why is None:
+            state = getattr(qb.args[0], "name", None) if qb is not None and qb.args else None
+            at = position[id(lin)]
             why = _first_problem(
                 gather=gather, shard=shard, wait=wait, slice_=sl, linear=lin, gathered=gathered, weight=w,
                 quantizers=qb, q_w=q_w, producer=producer, uses=uses, returned=returned, inputs=inputs,
                 group=group, world_size=world_size, default_world_size=default_world_size,
                 recipe_problem=recipe_problem, recomputed=recomputed,
-                updated_after=updated_at.get(getattr(qb.args[0], "name", None), -1) > position[id(lin)]
-                if qb is not None and qb.args else False,
-                updated_before=first_update.get(getattr(qb.args[0], "name", None), len(body)) < position[id(lin)]
-                if qb is not None and qb.args else False)
+                updated_after=state is not None and last_update.get(state, -1) > at,
+                updated_before=state is not None and first_update.get(state, len(body)) < at)
         sites.append(Site(lin, gather, wait, sl, qb, shard if isinstance(shard, TensorProxy) else None, w, why))
     return sites
 
@@ -289,9 +288,9 @@ def batches(fw: TraceCtx, sites: Sequence[Site]) -> list[tuple[int, list[Site], 
     runs: list[list[Site]] = []
     alone: list[Site] = []
     last = None
+    getters_of = {id(s): _getters(s, producer, inputs) for s in chosen}
     for s in chosen:
-        getters = _getters(s, producer, inputs)
-        if getters is None:
+        if getters_of[id(s)] is None:
             alone.append(s)
             continue
         i = index[id(s.gather)]
@@ -307,7 +306,7 @@ def batches(fw: TraceCtx, sites: Sequence[Site]) -> list[tuple[int, list[Site], 
         at = max(index[id(s.gather)] for s in run)
         getters = []
         for s in run:
-            for g in _getters(s, producer, inputs):
+            for g in getters_of[id(s)]:
                 if index[id(g)] > at and id(g) not in moved:
                     moved.add(id(g))
                     getters.append(g)
