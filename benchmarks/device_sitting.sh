@@ -143,6 +143,25 @@ ckpt_accuracy_8() {  # s6: where the checkpointed plan's +3.3% comes from (issue
   rm -f "$R/busy/$JOB"
 }
 
+# fourth session of 2026-12-02
+memory_arms() {  # name, arms, flags...: a few iterations an arm, one model, not timed alone (their times are no evidence)
+  local name=$1 arms=$2; shift 2
+  python3 benchmarks/paired.py --simulate 8 --timed 4 --warmup-quads 1 --one-model --arms "$arms" \
+    --out "$R/paired/$name" -- "$@" > "$R/logs/$name.log" 2>&1
+  echo "$name rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
+
+ckpt_fp8_32() {  # s7: Thunder's benchmark with --checkpoint_activations=True, 32 layers, FP8 (issue #33 item 3)
+  memory_arms ckpt_fp8_l32_n8 '{"without": null, "default": {"optimizer_states": 2},
+    "all": {"optimizer_states": 2, "candidates": "all"}}' $FLAGS $FP8 --n_layers=32 --checkpoint_activations=True
+}
+
+ckpt_bf16_32() {  # s7: the same in bf16
+  memory_arms ckpt_bf16_l32_n8 '{"without": null, "all": {"optimizer_states": 2, "candidates": "all"}}' \
+    $FLAGS --n_layers=32 --checkpoint_activations=True
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -155,7 +174,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   local job
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "$(declare -f paired memory_only fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "$(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -171,7 +190,8 @@ case "${1:-}" in
       s4) export GPU_TEST_WORKERS=6; launch gpu_tests fp8_32_curve bf16_32_curve; echo 4 > "$R/logs/expected" ;;
       s5) export GPU_TEST_WORKERS=6; launch gpu_tests bf16_32_again; echo 2 > "$R/logs/expected" ;;
       s6) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 ckpt_accuracy_8 fp8_32_fwd; echo 6 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6"; exit 2 ;;
+      s7) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_fp8_32 ckpt_bf16_32; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7"; exit 2 ;;
     esac
     echo started ;;
   collect)

@@ -312,6 +312,10 @@ def test_plan_accuracy_reports_leave_out_plans_that_see_one_subgraph():
 
     zero3 = accuracy_reports([result("Thunder FSDP (ZeRO-3)")])
     assert sorted(zero3) == ["with", "without"] and zero3["with"]["error_pct"] == 0.0
+    assert zero3["with"]["checkpoint_activations"] is False
+    checkpointed = result("Thunder FSDP (ZeRO-3)")
+    checkpointed["flags"] = [*checkpointed["flags"], "--checkpoint_activations=True"]
+    assert accuracy_reports([checkpointed])["with"]["checkpoint_activations"] is True
     assert accuracy_reports([result("FSDP2 (fully_shard) under ThunderFX")]) == {}
 
 

@@ -131,6 +131,7 @@ def accuracy_reports(results: list[dict]) -> dict[str, dict]:
         common = {k: r[k] for k in ("device", "simulated", "world_size", "n_layers", "low_precision_mode", "flags",
                                     "started", "launch")}
         common["executors"] = flag(r["flags"], "compile", "thunder")
+        common["checkpoint_activations"] = flag(r["flags"], "checkpoint_activations", "False") == "True"
         plan = arm["plan"]
         if not r["measured_peak_GB"]["base"]:  # the CPU: no device peak
             continue
