@@ -5,12 +5,12 @@ program runs. It reads ``torch.cuda.memory_allocated`` (everything alive then: p
 a later compilation the optimizer's state), then forces the workspaces of the program's kernels into existence and
 records what each one added. cuBLAS keeps one per handle and stream, and the autograd engine runs the backward on its
 own thread (its own handle), so where the program has GEMMs that are not TransformerEngine's
-(:func:`cublas_gemms`; forcing them otherwise would allocate 68 MB on an H200 the program never uses) a tiny GEMM
+(:func:`cublas_gemms`; forcing them otherwise would allocate workspaces the program never uses) a tiny GEMM
 of the same kind is run forward and backward: a plain one (``matmul``, ``bmm``: cuBLAS), and a linear layer with a
 bias (cuBLASLt) only where the program has such GEMMs. The cuBLAS workspaces are then released
 (``torch._C._cuda_clearCublasWorkspaces``, as torch's own tests do before counting memory): the program creates
-again those it uses, so the pass leaves none of its own making behind (on the H200, 2026-12-02, every step of the
-GPU tests' tiny model began 33.8 MB higher with the pass: the size of one such 32 MiB workspace). TransformerEngine
+again those it uses, so the pass leaves none of its own making behind (a workspace it left would raise every later
+step's memory; measured in docs/memory_model.md). TransformerEngine
 keeps one cuBLAS workspace per device for its GEMMs (asked for when the program has TE ops; see
 :func:`_te_workspace`), which its GEMMs reuse: it stays. All are allocated through PyTorch's caching allocator, so
 ``memory_allocated`` (and ``max_memory_allocated``) see them. A workspace that already existed adds 0 bytes and is
