@@ -14,81 +14,33 @@ COMMS = ("shared", "dedicated")
 
 @dataclass(frozen=True)
 class ShardOptions:
-    """What to shard and how.
+    """What to shard and how. One line an option here; docs/options.md says each in full, with its measurements.
 
-    candidates: ``"fp8"`` considers saved-for-backward tensors with a float8 dtype and TransformerEngine's quantized
-        tensors; ``"all"`` considers every saved tensor (the full all-gathered weights Thunder 0.2.6 keeps under ZeRO-3).
-    min_bytes: candidates smaller than this (per-tensor scales, tiny biases) are left alone, and so are compactions
-        that would free fewer bytes.
-    compact: ``"auto"`` replaces a saved view that keeps a larger storage alive (LitGPT's ``v``, a view of ``qkv``
-        out of a torch.compile region) by a compact copy of itself, made right after the storage's last forward use
-        (rank-local, no communication, exact; see :mod:`thunder_fp8shard.analysis.compaction`), where the copy frees at
-        least as many bytes as it copies: under policy ``"all"`` every such one, under ``"peak"`` and ``"budget"``
-        those the policy picks, weighed with the shards by the bytes each moves a step. ``"off"``: never.
-    method: ``"slice"`` keeps this rank's slice of the local copy (no communication); ``"reduce_scatter"``
-        reduce-scatters the replicas with MAX, which returns the same bytes when they are identical.
-    verify: check at shard time that every rank holds identical bytes (one small all-gather of digests per tensor).
-    policy: ``"all"`` shards every sound candidate; ``"peak"`` only those that lower the predicted peak;
-        ``"budget"`` shards the fewest bytes of all-gather traffic that bring the peak to ``budget_bytes`` (it needs
-        ``optimizer_states``).
-    budget_bytes: per-rank peak target for ``policy="budget"``, in device bytes: what
-        ``torch.cuda.max_memory_allocated`` will read, i.e. the program plus the memory the step runs in (the
-        terms of :mod:`thunder_fp8shard.memory.resident`), not the program's bytes alone. Where ranks give different
-        budgets, every rank plans for the smallest (see :mod:`thunder_fp8shard.distributed.agreement`).
-    prefetch: how many buckets ahead of its use each backward all-gather is issued. 0 issues it just before its
-        first consumer; k issues it when the k-th previous bucket is first consumed (at most k+1 in flight).
-    bucket_bytes: the most payload bytes one backward all-gather (a bucket) or one forward shard op handles.
-        Tensors are taken in order of first backward use; each joins the current bucket, or else the current shard
-        op, only where the memory model predicts that the step stays at least 5% below its predicted peak wherever the
-        grouping holds more bytes (see :mod:`thunder_fp8shard.planning.grouping`): buckets stay one tensor near the
-        backward's peak and grow to whole layers further on, so the step runs fewer operators. 0 gives one tensor a
-        bucket and a shard op. Default 1 GiB: the headroom rule, not the cap, bounds the groups near the peak, and
-        elsewhere larger groups mean fewer operator calls (benchmarks/README.md has the measurements).
-    resident_bytes: device bytes alive during the whole step outside the program and its inputs (optimizer state,
-        other models). None (the default): measured on the device while the first call compiles (on the CPU: not
-        counted); an int replaces that measurement.
-    optimizer_states: the optimizer's state tensors per trained parameter, each the size of its local shard (Adam,
-        AdamW: 2; SGD with momentum: 1), counted on top of the measured resident bytes: the optimizer creates them
-        at its first step, after the first call compiled. None (the default): unknown; the predicted peak leaves
-        them out and the plan's headline says so, with what Adam/AdamW would add (the pass cannot see the optimizer:
-        it is the caller's object, outside every trace, and its state does not exist yet when the first call
-        compiles). 0: no optimizer state, or it is already counted: in ``resident_bytes``, or in the resident
-        measurement of a compilation after the optimizer's first step (a new input shape), which holds it.
-        ``policy="budget"`` needs it given.
-    loss_bytes: device bytes the loss computed outside the program holds at the start of the backward. None (the
-        default): 2 x the forward's floating-point outputs (a cross-entropy on them).
+    candidates: ``"fp8"``: float8 and TransformerEngine's quantized saved tensors; ``"all"``: every saved tensor.
+    min_bytes: smaller candidates (and compactions freeing less) are left alone.
+    compact: ``"auto"``: a saved view that keeps a larger storage alive is replaced by a compact copy where that
+        frees at least what it copies (:mod:`thunder_fp8shard.analysis.compaction`); ``"off"``: never.
+    method: ``"slice"``: this rank's slice of its copy; ``"reduce_scatter"``: a MAX reduce-scatter of the replicas.
+    verify: check at shard time that every rank holds identical bytes (an all-gather of digests a tensor).
+    policy: ``"all"``: every sound candidate that does not raise the predicted peak; ``"peak"``: those that lower it;
+        ``"budget"``: the fewest gathered bytes that bring the peak to ``budget_bytes``.
+    budget_bytes: the per-rank device peak ``policy="budget"`` aims at (``torch.cuda.max_memory_allocated``'s bytes).
+    prefetch: how many buckets ahead of its use a backward all-gather is issued.
+    bucket_bytes: the most payload bytes of one bucket or shard op; groups grow only where the step stays 5% below
+        its predicted peak (:mod:`thunder_fp8shard.planning.grouping`); 0: one tensor each.
+    resident_bytes: device bytes alive outside the program all step; None: measured while compiling.
+    optimizer_states: optimizer state tensors a trained parameter (AdamW: 2), counted on top of the resident bytes
+        (they do not exist yet when the first call compiles); None: left out, and the plan says so.
+    loss_bytes: device bytes the loss holds at the backward's start; None: 2 x the forward's floating-point outputs.
+    comm: ``"shared"``: the setup's process group; ``"dedicated"``: a second group with the same ranks.
+    shard_group_size: keep a 1/k shard over runs of k consecutive ranks (:mod:`thunder_fp8shard.distributed.shard_groups`).
+    group: the process group, for a compilation whose setup names none.
+    fp8_forward_gather: under Thunder FSDP with TE's DelayedScaling, all-gather each TE linear weight as this rank's
+        FP8 rows (uint8) instead of bf16, bitwise identical (:mod:`thunder_fp8shard.rewrite.fp8_gather`).
 
-    ``resident_bytes``, ``optimizer_states`` and ``loss_bytes`` may differ between ranks, as may what each rank
-    measures: every rank plans with each memory term's largest value over the ranks (agreed while compiling, see
-    :mod:`thunder_fp8shard.distributed.agreement`), so all plan the same collectives. The other options must be the same on every
-    rank; where they give different collectives, compilation raises on every rank, naming what differs.
-    comm: ``"shared"`` (the default) sends the shards over the setup's process group (FSDP's or DDP's);
-        ``"dedicated"`` over a second group with the same ranks (created once, at the first compilation), so the
-        all-gathers run on their own NCCL communicator and stream and cannot queue behind FSDP's gradient
-        reduce-scatters (profiled on the GPU, they did not: the backward's compute stream had no such waits).
-    shard_group_size: shard over subgroups of this many consecutive ranks instead of the setup's whole group: the
-        setup's ranks (those its replicated values are identical on, in order; under FSDP2 HSDP the whole mesh) are
-        partitioned into runs of ``shard_group_size`` and each rank keeps a 1/k shard over its own run, so it saves
-        (k-1)/k of each copy instead of (N-1)/N, and its backward all-gathers stay within k ranks (a node, when k is
-        the GPUs a node). Exactly as sound: identical on every rank of the group means identical on every rank of a
-        subgroup. None (the default): the setup's own group (FSDP's or DDP's whole group; FSDP2's shard group, under
-        HSDP the mesh's shard dimension). It must divide the setup's number of ranks: refused here when it cannot
-        divide the world size (when the process group is already initialized: every supported setup spans the world
-        or a mesh whose size divides it), else when compiling. A size equal to the setup's own group's is that
-        group (``comm`` applies as without the option); any other travels on subgroups the pass creates
-        collectively, once, at the first compilation (see :mod:`thunder_fp8shard.distributed.shard_groups`), which are its own
-        groups already: ``comm`` has no further effect there.
-    group: a ``torch.distributed.ProcessGroup``, for a compilation whose setup names no process group (a ThunderFX
-        subgraph without FSDP2 parameters: nothing is sharded there, and the plan says so). Where the setup names its
-        group (Thunder FSDP/DDP, FSDP2's shard group), ``group=`` may be given but must span the same ranks (checked
-        when compiling); the setup's group is used.
-    fp8_forward_gather: on by default. Under Thunder FSDP with TransformerEngine's
-        DelayedScaling (``reduce_amax=True``), each TE linear weight whose only use is that linear is cast to FP8 on
-        its own rows by each rank and all-gathered as uint8, instead of all-gathered in bf16 and cast whole by every
-        rank: half the forward all-gather bytes, 1/N of the cast. Bitwise identical (the cast is
-        elementwise with a scale fixed before it; the weight's amax is the MAX all-reduce of the shards' amaxes;
-        see ``docs/fp8_forward_gather.md`` and :mod:`thunder_fp8shard.rewrite.fp8_gather`); every weight it cannot prove that
-        for keeps its bf16 gather, with the reason in the plan; elsewhere (no TE linear, another setup) it does nothing.
+    The memory terms (``resident_bytes``, ``optimizer_states``, ``loss_bytes``, and what each rank measures) may
+    differ between ranks: every rank plans with each one's largest (:mod:`thunder_fp8shard.distributed.agreement`).
+    The other options must be the same on every rank; where they give different collectives, compilation raises.
     """
 
     candidates: str = "fp8"
