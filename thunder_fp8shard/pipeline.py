@@ -110,7 +110,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     new_bw, _ = rewrite_backward(
         bw, new_fw, group=group, provenance=f"{name}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
     )
-    report = RunReport()  # written by the two checks only, at run time
+    report = RunReport()  # written by the two checks only, at run time; they read the plan's prediction, final here
     audit = SavedAudit(plan, report, expected_storages(analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
     calibration = Calibration(plan, report, program_device(fw), plan.budget_bytes,
