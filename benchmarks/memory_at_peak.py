@@ -93,7 +93,7 @@ def rank_fn(rank: int, world_size: int, cfg, steps: int) -> dict:
         s.opt.zero_grad(set_to_none=True)
         del logits, loss
     if s.shard is not None and s.shard.plans:
-        out["plan"] = str(s.shard.plans[-1])
+        out["plan"] = s.shard.describe()
     return out
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]
 
+from thunder_fp8shard.reporting.plan_text import plan_text  # noqa: E402
 from thunder_fp8shard.testing import litgpt_run  # noqa: E402
 
 MARK_BYTES = 1021 * 512  # a multiple of the CUDA allocator's 512-byte rounding with a prime factor no model has
@@ -219,9 +220,10 @@ def downsample(x: list[float], y: list[int], n: int = MAX_POINTS) -> tuple[list[
     return xs, ys
 
 
-def report(plan, events: list[dict], baseline: int, device_stats: dict) -> dict:
+def report(plan, events: list[dict], baseline: int, device_stats: dict, text: str | None = None) -> dict:
     """One rank's JSON: prediction, measurement, where each peak is, the terms and both timelines. ``device_stats``:
-    ``max_memory_allocated`` and ``max_requested_bytes`` (None on the CPU)."""
+    ``max_memory_allocated`` and ``max_requested_bytes`` (None on the CPU); ``text``: the plan in words (default:
+    ``plan`` alone)."""
     max_allocated = device_stats["max_memory_allocated"]
     pred, meas = predicted_timeline(plan), measured_timeline(events, baseline)
     if meas["peak"] is not None:
@@ -239,7 +241,7 @@ def report(plan, events: list[dict], baseline: int, device_stats: dict) -> dict:
                      "events": len(meas["bytes"])},
         "error_bytes": None if max_allocated is None else pred["peak"]["bytes"] - max_allocated,
         "timelines": {"predicted": {"x": px, "bytes": py, "program_bytes": pp}, "measured": {"x": mx, "bytes": my}},
-        "plan_text": str(plan),
+        "plan_text": text if text is not None else plan_text(plan),
     }
 
 
@@ -326,8 +328,10 @@ def accuracy_rank(rank: int, world_size: int, cfg, steps: int, snapshot_dir: str
             mark(s.device)
             events, device_stats = recorder.stop()
         del logits, loss
-    plan = max(s.shard.plans, key=lambda p: len(p.decisions))
-    out = report(plan, events, baseline, device_stats)
+    i = max(range(len(s.shard.plans)), key=lambda j: len(s.shard.plans[j].decisions))
+    # the prediction as the first call's audit corrected it (what the run checks against), with the checks' lines
+    out = report(s.shard.reports[i].corrected(s.shard.plans[i]), events, baseline, device_stats,
+                 text=plan_text(s.shard.plans[i], s.shard.reports[i]))
     out.update(rank=rank, world_size=world_size, device=str(s.device), n_params=s.n_params)
     return out
 

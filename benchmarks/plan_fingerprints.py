@@ -55,9 +55,12 @@ TOY = dict(model="toy", n_layer=2, n_embd=64, n_head=4, intermediate_size=96, vo
 LLAMA = [("toy-llama-zero3-cat", 2, {"setup": "zero3"}), ("toy-llama-fsdp2-cat", 2, {"setup": "fsdp2"})]
 
 
-def _plan_record(plan) -> dict:
+def _plan_record(plan, report=None) -> dict:
+    """A plan's fingerprint after the run: its prediction as the run-time audit corrected it (``report``)."""
     from thunder_fp8shard.distributed.agreement import collectives
 
+    if report is not None:
+        plan = report.corrected(plan)
     return {
         "collectives": collectives(plan, verify=False),
         "decisions": [dataclasses.asdict(d) for d in plan.decisions],
@@ -75,7 +78,7 @@ def mlp_fingerprint(rank, world_size, fields):
 
     cfg = RunConfig(widths=WIDTHS, **{"batch_sizes": (3, 5), "no_grad_call": False, **fields})
     result = train(rank, world_size, cfg)
-    return {"plans": [_plan_record(p) for p in result.plans], "traces": list(result.traces)}
+    return {"plans": [_plan_record(p, r) for p, r in zip(result.plans, result.reports)], "traces": list(result.traces)}
 
 
 def llama_fingerprint(rank, world_size, fields):
@@ -97,7 +100,7 @@ def llama_fingerprint(rank, world_size, fields):
     if fields["setup"] != "fsdp2":
         entry = thunder.compile_stats(s.jm).interpreter_cache[0]
         traces = [str(entry.computation_traces[-1]), str(entry.backward_traces[-1])]
-    return {"plans": [_plan_record(p) for p in s.shard.plans], "traces": traces}
+    return {"plans": [_plan_record(p, r) for p, r in zip(s.shard.plans, s.shard.reports)], "traces": traces}
 
 
 # the names a trace gives proxies and parameters (renamed by order of appearance when comparing)

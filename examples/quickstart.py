@@ -55,7 +55,7 @@ def worker(rank, world_size, port):
     loss1, grads1, shard = train_step(rank, with_pass=True)
     plan = shard.plans[-1]
     if rank == 0:
-        print(plan)  # what was sharded and why not the rest; the predicted memory and what it includes
+        print(shard.describe())  # what was sharded and why not the rest; the predicted memory; the checks
     equal = torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
     nonzero = all(torch.count_nonzero(g) > 0 for g in grads1)
     print(f"rank {rank}: saved for backward {plan.saved_bytes_before:,} -> {plan.saved_bytes_after:,} B; "

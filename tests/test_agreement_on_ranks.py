@@ -16,6 +16,7 @@ import torch
 
 from thunder_fp8shard.distributed.agreement import collectives
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED
+from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
 pytestmark = pytest.mark.multirank
@@ -131,7 +132,7 @@ def test_agree_rank_dependent_resident_bytes(three_ranks):
     assert [b.shard_op for b in plans[0].buckets] == [0, 1, 2]
     assert [_agreed(p, "resident at the call") for p in plans] == [(MB200, 0), (MB200, MB200), (MB200, 0)]
     assert plans[2].terms[0].source == AGREED and plans[1].terms[0].source == GIVEN
-    table = str(plans[0])
+    table = plan_text(plans[0])
     assert "agreed over 3 ranks before planning" in table and "209,715,200   0" in table
 
 

@@ -327,16 +327,22 @@ def test_the_plan_summary_leaves_out_a_plan_replanned_after_a_missed_budget():
 
     from benchlib.reporting import plan_summary
     from thunder_fp8shard.plan import Decision, ShardPlan
+    from thunder_fp8shard.runtime.run_report import CalibrationReading, RunReport
 
-    def plan(sharded_bytes, missed):
+    def plan(sharded_bytes):
         d = Decision(name="t", shape=(4,), dtype="float8_e4m3fn", kind="float8", nbytes=sharded_bytes, replicated=True,
                      sharded=True, reason="identical on every rank", shard_nbytes=sharded_bytes // 8)
         return ShardPlan(world_size=8, method="slice", policy="budget", prefetch=1, decisions=[d], saved_bytes_before=0,
-                         saved_bytes_after=0, calibration={"budget_missed": True} if missed else None, runs_per_step=1)
+                         saved_bytes_after=0)
 
-    s = plan_summary(types.SimpleNamespace(plans=[plan(100, True), plan(700, False)]))
+    def report(missed):
+        return RunReport(calibration=CalibrationReading(2, 2, 1, 1, 100.0, "end of backward call 2",
+                                                        budget_missed=missed), runs_per_step=1)
+
+    s = plan_summary(types.SimpleNamespace(plans=[plan(100), plan(700)], reports=[report(True), report(False)]))
     assert (s["sharded_bytes"], s["fp8_sharded_bytes"], s["plans"], s["replanned"]) == (700, 700, 1, 1)
-    assert plan_summary(types.SimpleNamespace(plans=[plan(100, False)]))["replanned"] == 0
+    assert s["calibration"]["budget_missed"] is False and s["runs_per_step"] == [1]
+    assert plan_summary(types.SimpleNamespace(plans=[plan(100)], reports=[report(False)]))["replanned"] == 0
 
 
 def test_fingerprints_compare_plans_and_traces_up_to_names_and_quoted_source():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from thunder_fp8shard.planning.planner import BUDGET_MARGIN, budget_target
+from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
 WIDTHS = (25, 61, 47, 7)
@@ -59,21 +60,25 @@ def test_a_missed_budget_is_replanned_with_the_measured_error_on_every_rank_alik
         assert mismatches(r["baseline"], run) == [], f"rank {rank}"
         assert all(g.abs().sum() > 0 for step in run.grads for g in step.values())
         first, second = run.plans  # the first call's plan, and the one the 3rd call compiled after the miss
+        reading = run.reports[0].calibration  # what the first plan's calibration read
         assert first.budget_target_bytes == budget_target(r["budget"]) < first.peak_bytes_before
         assert first.peak_bytes_after <= first.budget_target_bytes  # planned within the margin
         assert 0 < len(first.sharded) < len([d for d in first.decisions if d.replicated])  # a budget between the two
         # calibrated at the end of the 2nd backward: the largest reading over the ranks (rank 1's), on both ranks
         largest = r["budget"] + r["over"]
-        assert first.calibration["measured_peak_bytes"] == largest and first.calibration["own_peak_bytes"] == r["planted"]
-        assert first.calibration["budget_missed"] and first.calibration["error_bytes"] == largest - first.peak_bytes_after
+        assert reading.measured_peak_bytes == largest and reading.own_peak_bytes == r["planted"]
+        predicted = run.reports[0].corrected(first).peak_bytes_after  # as the first call's audit left it
+        assert reading.budget_missed and reading.predicted_peak_bytes == predicted
+        assert reading.error_bytes == largest - predicted
         assert any("over the budget" in w and "recompiles" in w for w in r["warnings"])
         # replanned with the measured error as a term: it shards more (or says the budget cannot be met)
         term = next(t for t in second.terms if t.name == "calibration")
-        assert term.source == "measured" and term.nbytes == first.calibration["error_bytes"]
+        assert term.source == "measured" and term.nbytes == reading.error_bytes
         assert {d.name for d in first.sharded} < {d.name for d in second.sharded} or any(
             "cannot be met" in n for n in second.notes)
         assert second.peak_bytes_before == first.peak_bytes_before + term.nbytes
-        assert "calibration" in str(second) and "over the budget: replanned at the next call" in str(first)
+        assert "calibration" in plan_text(second, run.reports[1])
+        assert "over the budget: replanned at the next call" in plan_text(first, run.reports[0])
     # every rank compiled the same plans
     (a, b) = (r["run"].plans for r in results)
     assert [[d for d in p.decisions] for p in a] == [[d for d in p.decisions] for p in b]

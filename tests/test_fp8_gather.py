@@ -14,6 +14,7 @@ from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 from thunder.extend import OperatorExecutor
 
+from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.rewrite import fp8_gather
 from thunder_fp8shard.runtime.fp8_gather_ops import WeightGatherSpec, exact_recipe
 from thunder_fp8shard.plan import ShardPlan
@@ -285,7 +286,7 @@ def test_run_time_calls_per_weight_fewer_than_thunders(padded):
     plan = ShardPlan(world_size=n, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, forward_gather=list(fg.rows),
                      forward_gather_calls=(fg.calls_replaced, sum(calls.values())))
-    assert f"run-time calls for them {thunder} -> {n_weights + 1}" in str(plan)
+    assert f"run-time calls for them {thunder} -> {n_weights + 1}" in plan_text(plan)
 
 
 def test_spec_refuses_impossible_row_counts():
@@ -315,7 +316,7 @@ def test_plan_rows_bytes_and_text():
     numel = 64 * 32 + 48 * 64
     assert plan.forward_gather_bytes == (numel * 2 // 2, numel // 2)  # (N-1)/N of bf16, then of uint8
     assert plan.forward_cast_elements == (numel, numel // 2)
-    assert "2 of 2 in FP8" in str(plan) and "forward all-gather of TE linear weights" in str(plan)
+    assert "2 of 2 in FP8" in plan_text(plan) and "forward all-gather of TE linear weights" in plan_text(plan)
     new = fg.apply(trace)
     assert "2 TE linear weight(s) all-gathered in FP8" in str(new.get_provenance())
 

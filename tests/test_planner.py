@@ -11,6 +11,8 @@ from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, UNKNOWN, Compaction, Decision, MemoryTerm, ShardPlan, shard_op_nbytes
 from thunder_fp8shard.planning.grouping import group
 from thunder_fp8shard.planning.planner import choose
+from thunder_fp8shard.reporting.plan_text import plan_text, verdict
+from thunder_fp8shard.reporting.plot import plot_plan
 
 # steps 0-4 forward, 5-9 backward. X lives throughout (100 B); a backward spike G (200 B) at step 7 is the peak.
 # W1 (40 B) is last used in forward at 1 and first in backward at 8: it is live at the peak.
@@ -113,7 +115,7 @@ def test_prefetch_issues_gathers_earlier_and_the_model_counts_the_early_buffers(
 def test_plan_renders_a_table_with_every_candidate_and_its_reason():
     decisions = choose(SOUND, MODEL, ShardOptions(prefetch=0), 2).decisions
     plan = ShardPlan(2, "slice", "all", 0, decisions, saved_bytes_before=120, saved_bytes_after=80)
-    text = str(plan)
+    text = plan_text(plan)
     assert "2 of 3 candidates sharded" in text
     for d in decisions:
         assert d.name in text and d.reason in text
@@ -125,11 +127,11 @@ def test_plan_renders_a_table_with_every_candidate_and_its_reason():
 
 def test_the_plan_counts_the_operator_calls_a_step_when_the_rewrite_gave_them():
     plan = ShardPlan(2, "slice", "all", 1, [], 0, 0)
-    assert "operator calls" not in str(plan)  # nothing rewritten
-    plan.operator_calls = {"fp8shard_shard": 24, "fp8shard_gather_start": 1, "fp8shard_gather_next": 24,
-                           "fp8shard_gather_wait": 1}
+    assert "operator calls" not in plan_text(plan)  # nothing rewritten
+    plan = replace(plan, operator_calls={"fp8shard_shard": 24, "fp8shard_gather_start": 1, "fp8shard_gather_next": 24,
+                                         "fp8shard_gather_wait": 1})
     assert ("run-time operator calls per step: 50 (24 fp8shard_shard, 1 fp8shard_gather_start, 24 fp8shard_gather_next, "
-            "1 fp8shard_gather_wait)") in str(plan).splitlines()
+            "1 fp8shard_gather_wait)") in plan_text(plan).splitlines()
 
 
 @pytest.mark.parametrize("kind, size, words", [
@@ -142,7 +144,7 @@ def test_the_plan_names_the_group_the_shards_travel_on(kind, size, words):
     (comm="shared"), a second group over its ranks (comm="dedicated"), or the pass's subgroups (shard_group_size)."""
     plan = ShardPlan(4, "slice", "all", 1, [], 0, 0, comm="dedicated" if kind == "dedicated" else "shared",
                      shard_group_size=size, shard_group_origin=kind)
-    headline = str(plan).splitlines()[0]
+    headline = plan_text(plan).splitlines()[0]
     assert words in headline and "its own process group" not in headline
 
 
@@ -294,14 +296,14 @@ def test_the_plan_says_first_whether_the_peak_and_the_saved_bytes_fell():
     plan = ShardPlan(2, "slice", "all", 0, [replace(SOUND[0], storage_nbytes=40)], saved_bytes_before=120,
                      saved_bytes_after=100, peak_bytes_before=340, peak_bytes_after=360,
                      timeline_before=MODEL.evaluate(), timeline_after=MODEL.evaluate())
-    assert str(plan).splitlines()[1] == plan.verdict == (
+    assert plan_text(plan).splitlines()[1] == verdict(plan) == (
         "verdict: predicted peak 340 B -> 360 B (RISES by 20 B); saved for backward 120 B -> 100 B (falls by 20 B)")
-    assert "RISES by 20 B" in plan.plot().axes[0].get_title()
+    assert "RISES by 20 B" in plot_plan(plan).axes[0].get_title()
     plan = replace(plan, peak_bytes_after=340)
-    assert plan.verdict.startswith("verdict: predicted peak 340 B -> 340 B (unchanged);")
+    assert verdict(plan).startswith("verdict: predicted peak 340 B -> 340 B (unchanged);")
     nothing = ShardPlan(2, "slice", "all", 0, [replace(SOUND[0], sharded=False)], saved_bytes_before=120,
                         saved_bytes_after=120, peak_bytes_before=340, peak_bytes_after=340)
-    assert nothing.verdict == "verdict: nothing sharded or compacted: predicted peak 340 B and saved for backward 120 B unchanged"
+    assert verdict(nothing) == "verdict: nothing sharded or compacted: predicted peak 340 B and saved for backward 120 B unchanged"
 
 
 def _compaction_model(g: int, *, second: bool = False):

@@ -16,6 +16,7 @@ from thunder_fp8shard.memory.model import memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, ShardPlan
 from thunder_fp8shard.memory.resident import resident_at_call, step_terms, term_lives
+from thunder_fp8shard.reporting.plan_text import plan_text
 
 LAST = 11
 
@@ -137,7 +138,7 @@ def test_plan_says_which_terms_were_measured_modelled_or_given():
     model = memory_model(fw, bw, [], None, options=ShardOptions(resident_bytes=7, optimizer_states=2),
                          device=DeviceMemory("cuda:0", 0, (("cuBLAS", 24),)))
     plan = _plan(model)
-    lines = str(plan).splitlines()
+    lines = plan_text(plan).splitlines()
     row = {line.split("  ")[0]: line for line in lines}
     assert "384 -> 384" in row["jitted program (its peak)"]
     assert GIVEN in row["resident at the call"] and "every step" in row["resident at the call"]
@@ -153,7 +154,7 @@ def test_the_plans_headline_names_what_the_predicted_peak_leaves_out():
     device = DeviceMemory("cuda:0", 0, (("cuBLAS", 24),), (("TransformerEngine GEMM", "ImportError: gone"),))
     plan = _plan(memory_model(fw, bw, [], None, options=ShardOptions(), device=device))
     assert [t.name for t in plan.left_out] == ["optimizer state", "TransformerEngine GEMM workspace"]
-    lines = str(plan).splitlines()
+    lines = plan_text(plan).splitlines()
     headline = next(i for i, line in enumerate(lines) if line.startswith("predicted peak per rank"))
     assert lines[headline].endswith(", WITHOUT 2 term(s) of unknown size:")
     assert lines[headline + 1].startswith("  leaves out the optimizer state: unknown: pass optimizer_states (Adam, "

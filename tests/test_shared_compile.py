@@ -71,7 +71,7 @@ def test_an_arms_program_of_the_base_model_is_what_it_compiles_alone_and_alterna
         assert not shared_compile.dropped(jm)
         runs.append(_grads(model, jm, seed))
     assert cs.cache_misses == misses  # nothing compiled: the programs ran
-    assert arm_pass.plans[0].audit is not None  # the arm's own run-time check ran in the arm's program
+    assert arm_pass.reports[0].saved is not None  # the arm's own run-time check ran in the arm's program
     for got, want in ((runs[0], base_grads), (runs[0], alone_grads[0]), (runs[2], runs[1]), (runs[2], alone_grads[1])):
         for n in want:
             assert torch.equal(got[n], want[n]), n

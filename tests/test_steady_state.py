@@ -64,11 +64,13 @@ def test_compaction_alone_runs_without_the_checks_after_the_calibration_step():
     (grads, cache), calls = _counting(lambda step: train_steps(step, [compact]))
     # the forward's audit and the backward's calibration run in the first two steps only
     assert calls == {"audit": [0, 1], "calibrate": [0, 1]}
-    (plan,) = compact.plans
-    assert plan.checks_removed == "after backward call 2: the program's cache entry runs traces without them"
+    (plan,), (report,) = compact.plans, compact.reports
+    assert report.checks_removed == "after backward call 2: the program's cache entry runs traces without them"
     assert plan.check_calls == {"fp8shard_audit": 1, "fp8shard_calibrate": 1}
     assert "fp8shard_audit" not in plan.operator_calls and sum(plan.operator_calls.values()) == 1  # one compaction
-    assert "the first steps also call the first-call checks (1 fp8shard_audit, 1 fp8shard_calibrate)" in str(plan)
+    text = compact.describe()
+    assert "the first steps also call the first-call checks (1 fp8shard_audit, 1 fp8shard_calibrate)" in text
+    assert f"first-call checks: {report.checks_removed}" in text
     # the traces: what runs now last, what the first calls ran before it
     (entry,) = cache
     fw_now, fw_first = entry.computation_traces[-1], entry.computation_traces[-2]
@@ -102,14 +104,14 @@ def test_sharded_training_runs_without_the_checks_after_the_calibration_step(api
     for rank, (baseline, run, calls) in enumerate(on_ranks(checked_run, 2, cfg)):
         assert mismatches(baseline, run) == [], f"rank {rank}"
         assert all(g.abs().sum() > 0 for step in run.grads for g in step.values())
-        plans = [p for p in run.plans if p.decisions]
-        assert plans and all(p.sharded for p in plans)
-        done = [p for p in plans if p.checks_removed is not None]
+        plans = [(p, r) for p, r in zip(run.plans, run.reports) if p.decisions]
+        assert plans and all(p.sharded for p, _ in plans)
+        done = [r for _, r in plans if r.checks_removed is not None]
         assert done, "no program ran its calibration step"
-        assert all(p.checks_removed.startswith("after backward call") and "without them" in p.checks_removed
-                   for p in done)
+        assert all(r.checks_removed.startswith("after backward call") and "without them" in r.checks_removed
+                   for r in done)
         # each program calls each check in its runs of its first two steps only, then runs without them
-        assert calls["audit"] == calls["calibrate"] == sum(2 * p.runs_per_step for p in done)
+        assert calls["audit"] == calls["calibrate"] == sum(2 * r.runs_per_step for r in done)
         if api == "transform":
-            (plan,) = plans
-            assert calls == {"audit": 2, "calibrate": 2} and plan.checks_removed.startswith("after backward call 2:")
+            ((_, report),) = plans
+            assert calls == {"audit": 2, "calibrate": 2} and report.checks_removed.startswith("after backward call 2:")

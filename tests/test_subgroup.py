@@ -7,6 +7,7 @@ import torch
 from thunder_fp8shard import ShardIntermediates
 from thunder_fp8shard.planning.layout import bucket_layout
 from thunder_fp8shard.distributed.shard_groups import partition
+from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.testing.harness import run_simulated
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
@@ -81,7 +82,7 @@ def test_subgroup_shards_are_1_over_k_under_the_fake_process_group():
         assert plan.saved_bytes_before - plan.saved_bytes_after == copies - sum(b.shard_nbytes for b in plan.buckets)
         assert plan.gathered_bytes_per_step == (k - 1) * sum(b.shard_nbytes for b in plan.buckets)
         assert measured == plan.saved_bytes_after
-        text = str(plan)
+        text = plan_text(plan)
         assert f"each copy keeps 1/{k}, saving {k - 1}/{k}" in text and f"{plan.gathered_bytes_per_step:,} B" in text
     savings = {k: got[k, None][0].saved_bytes_before - got[k, None][0].saved_bytes_after for k in (2, 4, 8)}
     assert savings[2] < savings[4] < savings[8]

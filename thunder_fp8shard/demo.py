@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import warnings
 
+from thunder_fp8shard.reporting.plan_text import plan_text
+from thunder_fp8shard.reporting.plot import plot_plan
 from thunder_fp8shard.testing.harness import run_on_ranks
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
@@ -26,8 +28,8 @@ def main(argv=None) -> int:
     print(f"Training {cfg.widths} fake-FP8 MLP on {args.world_size} gloo ranks, 3 steps, with and without the pass...")
     results = run_on_ranks(train_with_and_without, args.world_size, cfg)
 
-    plan = results[0][1].plans[0]
-    print(f"\nPlan of rank 0 (first input shape):\n{plan}\n")
+    plan, report = results[0][1].plans[0], results[0][1].reports[0]
+    print(f"\nPlan of rank 0 (first input shape):\n{plan_text(plan, report)}\n")
     print("Saved for backward, measured per rank (first step):")
     exact = True
     for rank, (base, shard) in enumerate(results):
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
         import os
 
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
-        plan.plot(args.plot)
+        plot_plan(plan, args.plot, report)
         print(f"\nMemory timeline plot: {args.plot}")
     print("\nGradients exact on every rank." if exact else "\nGRADIENTS DIFFER.")
     return 0 if exact else 1

@@ -32,6 +32,7 @@ from thunder_fp8shard.planning.planner import choose, make_plan
 from thunder_fp8shard.rewrite import fp8_gather
 from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
 from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, calibration_term, expected_storages
+from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
 
 
@@ -49,9 +50,11 @@ class Seams:
 
 @dataclass(frozen=True)
 class Compiled:
-    """What :func:`compile_plan` returns: the plan, and the traces to run (with the first-call checks)."""
+    """What :func:`compile_plan` returns: the plan (final, frozen), the report its run-time checks write, and the
+    traces to run (with the first-call checks)."""
 
     plan: ShardPlan
+    report: RunReport
     forward: TraceCtx
     backward: TraceCtx
     calibration: Calibration  # the backward's check; the caller sets ``on_done`` (it drops the checks from Thunder's cache)
@@ -60,11 +63,11 @@ class Compiled:
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
     """The plan's setup facts, nothing decided yet."""
     o = options
-    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=[], saved_bytes_before=0,
+    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=(), saved_bytes_before=0,
                   saved_bytes_after=0, bucket_bytes=o.bucket_bytes)
     if setup is None:  # compaction alone: no distributed setup
         return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", **common)
-    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=list(setup.notes),
+    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=tuple(setup.notes),
                      shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin, **common)
 
 
@@ -94,7 +97,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         warnings.warn(f"{name}: {warning}", stacklevel=3)
     fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
                                  group=setup and setup.group, world_size=setup.world_size if setup else 1)
-    plan.forward_gather, plan.notes = list(fwd_gather.rows), [*plan.notes, *fwd_gather.notes]
+    plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows), notes=(*plan.notes, *fwd_gather.notes))
     if group is not None:
         check(plan, group, verify=o.verify, comm=seams.collectives)  # before any collective of the plan
     shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
@@ -107,18 +110,18 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     new_bw, _ = rewrite_backward(
         bw, new_fw, group=group, provenance=f"{name}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
     )
-    audit = SavedAudit(plan, expected_storages(analysis.model, plan, new_fw),
+    report = RunReport()  # written by the two checks only, at run time; they read the plan's prediction, final here
+    audit = SavedAudit(plan, report, expected_storages(analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
-    calibration = Calibration(plan, program_device(fw), plan.budget_bytes,
+    calibration = Calibration(plan, report, program_device(fw), plan.budget_bytes,
                               functools.partial(largest, group=group, comm=seams.collectives), on_miss, audit,
                               peak=seams.device_probe.peak_allocated)
     new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)
-    plan.operator_calls = {op: n for op, n in calls.items() if op not in CHECK_NAMES}
-    plan.check_calls = {op: calls[op] for op in CHECK_NAMES}
-    if fwd_gather.sites:
-        gather_calls = fp8_gather.operator_calls(fw_trace)
-        plan.operator_calls.update(gather_calls)
-        plan.forward_gather_calls = (fwd_gather.calls_replaced, sum(gather_calls.values()))
-    return Compiled(plan, fw_trace, new_bw, calibration)
+    gather_calls = fp8_gather.operator_calls(fw_trace) if fwd_gather.sites else {}
+    plan = dataclasses.replace(  # the plan as the traces to run have it: final from here on
+        plan, operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
+        check_calls={op: calls[op] for op in CHECK_NAMES},
+        forward_gather_calls=(fwd_gather.calls_replaced, sum(gather_calls.values())) if fwd_gather.sites else (0, 0))
+    return Compiled(plan, report, fw_trace, new_bw, calibration)

@@ -29,7 +29,9 @@ from thunder_fp8shard.memory.device import DeviceMemory, cublas_gemms
 from thunder_fp8shard.options import OPTION_NAMES, options_from, signature
 from thunder_fp8shard.pipeline import Seams, compile_plan, plan_header
 from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.runtime.audit import cache_dropper
+from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import checks_dropper
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,9 @@ class ShardIntermediates(Transform):
     Each rank keeps a 1/k shard over its shard group (:mod:`thunder_fp8shard.distributed.shard_groups`): the setup's group, or with
     ``shard_group_size=k`` its run of k consecutive ranks; which tensors are identical is decided over the setup's
     whole group. ``plans`` holds one :class:`~thunder_fp8shard.plan.ShardPlan` per compiled cache entry (under
-    ThunderFX, of each subgraph), newest last.
+    ThunderFX, of each subgraph), newest last, fixed at compile time; ``reports[i]`` is what the run-time checks
+    observed of ``plans[i]`` (:class:`~thunder_fp8shard.runtime.run_report.RunReport`); :meth:`describe` renders both,
+    :meth:`plot` draws the predicted memory timelines.
 
     Options: keyword-only, the fields of :class:`~thunder_fp8shard.options.ShardOptions` with its defaults
     (``inspect.signature`` and ``help()`` show them), validated at construction; ShardOptions' docstring and the
@@ -72,6 +76,7 @@ class ShardIntermediates(Transform):
     def __init__(self, **options):
         self.options = options_from(type(self).__name__, options, type(self).OPTIONS)
         self.plans: list[ShardPlan] = []
+        self.reports: list[RunReport] = []  # one per plan, same order
         self._pending: _PendingForward | None = None
         self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
         self._calibration_bytes: int | None = None  # set by a missed budget: planned with from then on
@@ -83,6 +88,18 @@ class ShardIntermediates(Transform):
         ``chooser``). Returns the transform."""
         self.seams = dataclasses.replace(self.seams, **seams)
         return self
+
+    def describe(self, index: int = -1) -> str:
+        """The plan of compilation ``index`` (the newest by default) in words, with what its run-time checks found
+        once they ran (the audit's and the calibration's lines, the predicted peak as the audit corrected it)."""
+        return plan_text(self.plans[index], self.reports[index])
+
+    def plot(self, path=None, index: int = -1):
+        """The predicted memory timeline of compilation ``index``, before and after, peaks and gathers marked (a
+        matplotlib Figure; ``path`` saves a PNG)."""
+        from thunder_fp8shard.reporting.plot import plot_plan
+
+        return plot_plan(self.plans[index], path, self.reports[index])
 
     OPTIONS = OPTION_NAMES
     __init__.__signature__ = signature(OPTIONS)
@@ -107,8 +124,8 @@ class ShardIntermediates(Transform):
         setup, shards = self._setup()
         if not forward_saved(fw)[0]:
             plan = plan_header(self.options, setup, shards)
-            plan.notes.append("forward-only compile (no_grad or no input requires grad): nothing is saved for backward")
-            self._record(plan)
+            note = "forward-only compile (no_grad or no input requires grad): nothing is saved for backward"
+            self._record(dataclasses.replace(plan, notes=(*plan.notes, note)), RunReport())  # no checks: stays empty
             return fw
         stand_in = from_trace(fw)
         stand_in.bound_symbols = list(fw.bound_symbols)
@@ -132,8 +149,8 @@ class ShardIntermediates(Transform):
         pending.stand_in.set_provenance(out.forward.get_provenance())
         # once both checks are done, the program's cache entry runs these traces without them
         out.calibration.on_done = checks_dropper(pending.stats, pending.stand_in, out.backward)
-        out.plan.pass_seconds = pending.seconds + time.perf_counter() - start
-        self._record(out.plan)
+        self._record(dataclasses.replace(out.plan, pass_seconds=pending.seconds + time.perf_counter() - start),
+                     out.report)
         return out.backward
 
     def _replan(self, compile_stats, error_bytes: int) -> None:
@@ -142,9 +159,11 @@ class ShardIntermediates(Transform):
         self._calibration_bytes = max(self._calibration_bytes or 0, 0) + max(error_bytes, 0)
         cache_dropper(compile_stats)()
 
-    def _record(self, plan: ShardPlan) -> None:
+    def _record(self, plan: ShardPlan, report: RunReport) -> None:
         self.plans.append(plan)
-        log.info("%s", plan)
+        self.reports.append(report)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", plan_text(plan))
 
 
 class CompactSavedViews(ShardIntermediates):

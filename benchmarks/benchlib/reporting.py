@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import subprocess
 
@@ -15,17 +16,21 @@ def plan_summary(shard) -> dict | None:
     are read with ``getattr``."""
     if shard is None or not shard.plans:
         return None
+    run = {id(p): run_facts(p, r) for p, r in zip(shard.plans, getattr(shard, "reports", None) or [None] * len(
+        shard.plans))}
     # a plan whose budget the device missed was replanned: its program was dropped, the replanned one runs instead
-    plans = [p for p in shard.plans if not (getattr(p, "calibration", None) or {}).get("budget_missed")] or shard.plans
+    plans = [p for p in shard.plans if not (run[id(p)]["calibration"] or {}).get("budget_missed")] or shard.plans
     plan = max(plans, key=lambda p: len(p.decisions) + len(getattr(p, "compactions", [])))
+    facts = run[id(plan)]
+    predicted = facts["predicted"]  # the plan's prediction as the run-time audit corrected it
     fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
     buckets = getattr(plan, "buckets", [])
     # under ThunderFX one plan a subgraph, and one subgraph can run for several blocks: totals are plan x runs
     trained = [p for p in plans if p.decisions or getattr(p, "compactions", [])]
-    runs = [getattr(p, "runs_per_step", None) or 1 for p in trained]
+    runs = [run[id(p)]["runs_per_step"] or 1 for p in trained]
     total = lambda f: sum(f(p) * r for p, r in zip(trained, runs))  # noqa: E731
     return {
-        "text": str(plan), "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
+        "text": facts["text"], "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
         # older versions of the pass shard over the whole group
         "shard_group_size": getattr(plan, "k", plan.world_size),
         "pass_seconds": getattr(plan, "pass_seconds", None),
@@ -38,9 +43,9 @@ def plan_summary(shard) -> dict | None:
         "fp8_sharded_bytes": sum(d.nbytes for d in fp8 if d.sharded),
         "plans": len(trained), "runs_per_step": runs,
         "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
-        "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": plan.peak_bytes_after,
+        "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": predicted.peak_bytes_after,
         "peak_step_before": peak_where(getattr(plan, "timeline_before", None)),
-        "peak_step_after": peak_where(getattr(plan, "timeline_after", None)),
+        "peak_step_after": peak_where(getattr(predicted, "timeline_after", None)),
         "gathered_bytes_per_step": total(lambda p: getattr(p, "gathered_bytes_per_step", 0)),
         # fp8_forward_gather: the bytes each rank receives in the forward's all-gathers of TE linear weights a step,
         # (without, with) the option's decisions, and the weight elements it casts to FP8
@@ -51,10 +56,25 @@ def plan_summary(shard) -> dict | None:
         "compacted_bytes": total(lambda p: getattr(p, "compacted_bytes_per_step", 0)),
         "compaction_freed_bytes": total(lambda p: sum(c.freed_bytes for c in getattr(p, "compacted", []))),
         "budget_bytes": getattr(plan, "budget_bytes", None), "budget_target_bytes": getattr(plan, "budget_target_bytes", None),
-        "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in getattr(plan, "terms", [])],
-        "audit": getattr(plan, "audit", None), "calibration": getattr(plan, "calibration", None),
+        "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in getattr(predicted, "terms", [])],
+        "audit": facts["audit"], "calibration": facts["calibration"],
         "notes": list(getattr(plan, "notes", [])), "replanned": len(shard.plans) - len(plans),
     }
+
+
+def run_facts(plan, report) -> dict:
+    """What the run-time checks observed of ``plan`` (its run report), as plain data: ``audit`` and ``calibration``
+    (dicts, None before they ran), ``runs_per_step``, ``predicted`` (the plan as the audit corrected it) and
+    ``text`` (the plan with the checks' lines). ``report`` None: a plan of an older version of the pass, which kept
+    these on the plan itself."""
+    if report is None:
+        return {"audit": getattr(plan, "audit", None), "calibration": getattr(plan, "calibration", None),
+                "runs_per_step": getattr(plan, "runs_per_step", None), "predicted": plan, "text": str(plan)}
+    from thunder_fp8shard.reporting.plan_text import plan_text
+
+    as_dict = lambda r: dataclasses.asdict(r) if r is not None else None  # noqa: E731
+    return {"audit": as_dict(report.saved), "calibration": as_dict(report.calibration),
+            "runs_per_step": report.runs_per_step, "predicted": report.corrected(plan), "text": plan_text(plan, report)}
 
 
 def peak_where(tl) -> dict | None:

@@ -24,7 +24,7 @@ from thunder_fp8shard.analysis.liveness import storage_of
 from thunder_fp8shard.planning.layout import bucket_layout
 from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import UNKNOWN, AgreedValue, Bucket, Compaction, Decision, ShardPlan
+from thunder_fp8shard.plan import UNKNOWN, AgreedValue, BudgetTraffic, Bucket, Compaction, Decision, ShardPlan
 from thunder_fp8shard.analysis.replication import Replication
 from thunder_fp8shard.reporting.format import fmt_bytes
 
@@ -74,7 +74,7 @@ def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header
               agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
     """The plan of one compilation (pure): ``analysis`` with the memory terms every rank agreed on, ``options`` with
     the agreed budget, ``world_size`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
-    setup facts (an empty :class:`ShardPlan`: integration, shard group, notes), ``agreed`` what was agreed,
+    setup facts (a :class:`ShardPlan` with nothing decided: integration, shard group, notes), ``agreed`` what was agreed,
     ``chooser`` the choice (:func:`choose`; a test injects another, see :class:`thunder_fp8shard.pipeline.Seams`). Returns
     the plan (the choice, its predicted timelines before and after, its byte accounting) and the warnings to give."""
     model = analysis.model
@@ -92,14 +92,15 @@ def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header
                    + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
     budget = options.budget_bytes if options.policy == "budget" else None
     plan = replace(
-        header, decisions=choice.decisions, buckets=buckets, compactions=choice.compactions,
+        header, decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
         saved_bytes_before=saved_before, saved_bytes_after=saved_after,
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
-        terms=list(model.terms), timeline_before=before, timeline_after=after, agreed=list(agreed),
-        notes=[*header.notes, *choice.notes], budget_bytes=budget,
+        terms=tuple(model.terms), timeline_before=before, timeline_after=after, agreed=tuple(agreed),
+        notes=(*header.notes, *choice.notes), budget_bytes=budget,
         no_candidates=no_candidates(analysis.saved_by_dtype, options) if analysis.replication is not None
-        and not analysis.candidates else "", budget_traffic=choice.traffic,
+        and not analysis.candidates else "",
+        budget_traffic=BudgetTraffic(**choice.traffic) if choice.traffic else None,
         budget_target_bytes=budget_target(budget) if budget is not None else None,
     )
     return plan, choice.warnings

@@ -1,1 +1,2 @@
-"""How a plan reads: byte formats and tables, and the predicted memory timelines drawn."""
+"""How a plan reads: its text (``plan_text.py``), byte formats and tables (``format.py``), and the predicted memory
+timelines drawn (``plot.py``)."""

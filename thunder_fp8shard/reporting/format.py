@@ -1,4 +1,4 @@
-"""How the plan reads: its tables and its byte counts, formatted in one place."""
+"""Tables and byte counts, formatted in one place (for the plan's text, :mod:`thunder_fp8shard.reporting.plan_text`)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,36 @@
-"""Plot of live memory over the joint forward+backward program, before and after sharding."""
+"""Plot of live memory over the joint forward+backward program, before and after sharding: a plan's predicted
+timelines (:func:`plot_plan`), or any two timelines (:func:`plot_timelines`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from os import PathLike
+from typing import TYPE_CHECKING
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from thunder_fp8shard.analysis.liveness import Timeline
 from thunder_fp8shard.reporting.format import byte_unit
+from thunder_fp8shard.reporting.plan_text import peak_words
+
+if TYPE_CHECKING:  # pragma: no cover
+    from thunder_fp8shard.plan import ShardPlan
+    from thunder_fp8shard.runtime.run_report import RunReport
+
+
+def plot_plan(plan: ShardPlan, path: str | PathLike | None = None, report: RunReport | None = None) -> Figure:
+    """``plan``'s predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure;
+    ``path`` saves a PNG). With ``report``, the timeline after as the run-time audit corrected it."""
+    if report is not None:
+        plan = report.corrected(plan)
+    if plan.timeline_before is None:
+        raise ValueError("this plan has no memory timeline (forward-only compile or nothing to model)")
+    return plot_timelines(
+        plan.timeline_before, plan.timeline_after, gathers=plan.gather_steps,
+        title=f"ShardIntermediates: {len(plan.sharded)} tensors sharded 1/{plan.k}, {len(plan.compacted)} storages "
+              f"compacted; predicted peak {peak_words(plan)}", path=path,
+    )
 
 
 def plot_timelines(

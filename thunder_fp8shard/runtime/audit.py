@@ -3,23 +3,24 @@ the device's peak once a step has run with the optimizer's state (calibration).
 
 The memory model is a prediction: a fusion region that aliases differently than its replay on meta tensors said, an
 executor not modelled, the allocator's rounding. Two run-time operators, inserted by the rewrite, compare the
-prediction with the device and write what they find into the plan (:class:`~thunder_fp8shard.plan.ShardPlan`'s
-``audit`` and ``calibration``), so that no gap stays silent:
+prediction with the device and write what they find into the plan's run report
+(:class:`~thunder_fp8shard.runtime.run_report.RunReport`: ``saved`` and ``calibration``; the plan itself stays as
+compiled), so that no gap stays silent:
 
 - ``fp8shard_audit`` (the forward's last operator, before its return) looks, at the first call, at the distinct
   storages of the tensors the forward saves (as ``torch.autograd.graph.saved_tensors_hooks`` would count them, the
   buffers of TransformerEngine's quantized tensors included) and compares them, storage by storage, with the model's.
-  A difference becomes a *measured* memory term of the plan (``saved storages at the first call``), on the steps the
-  model has those tensors alive, with a warning naming the tensors and their bytes; the predicted peak after is
-  corrected by it. Later calls return at once.
-- ``fp8shard_audit`` also counts the forward's calls until the program's first backward: the plan's
+  A difference becomes a *measured* memory term of the report (``saved storages at the first call``), on the steps
+  the model has those tensors alive, with a warning naming the tensors and their bytes; the report's predicted peak
+  after is the plan's corrected by it (``RunReport.corrected(plan)``). Later calls return at once.
+- ``fp8shard_audit`` also counts the forward's calls until the program's first backward: the report's
   ``runs_per_step`` (under ThunderFX one compiled program serves every block of the same class and shapes, so its
   plan runs several times a step; its bytes count that many times).
 - ``fp8shard_calibrate`` (the backward's last operator) reads the device's peak (``torch.cuda.max_memory_allocated``)
   at the end of the second step's last backward of the program: the first step whose forward and backward run with the optimizer's state (it
   is created by the first ``optimizer.step()``), and whose peak Thunder's benchmark and most loops do not reset.
   The ranks of the shard group agree on the largest reading (one all-reduce MAX, once), so that every rank decides
-  alike. The plan records the reading and its error against the predicted peak. Under ``policy="budget"``, a reading
+  alike. The report records the reading and its error against the predicted peak. Under ``policy="budget"``, a reading
   over the budget is a warning, and the pass plans the next compilation with the error as a measured term
   (``calibration``) and forces that compilation at the next call (it drops the compiled program from Thunder's cache:
   the cost is one recompilation of that input shape); the user sees both in the new plan. On the CPU nothing is read.
@@ -45,6 +46,7 @@ from thunder.core.proxies import TensorProxy
 from thunder_fp8shard.analysis.liveness import span_bytes, storage_of
 from thunder_fp8shard.memory.device import peak_allocated
 from thunder_fp8shard.plan import MEASURED, MemoryTerm, ShardPlan
+from thunder_fp8shard.runtime.run_report import CalibrationReading, Difference, RunReport, SavedCheck
 
 if TYPE_CHECKING:  # pragma: no cover
     from thunder_fp8shard.memory.model import MemoryModel
@@ -79,18 +81,6 @@ class SavedStorage:
     members: tuple[int, ...]  # positions of its tensors in the saved list
     nbytes: int  # predicted bytes
     start: int  # the steps the model holds it (of the unmodified joint program)
-    end: int
-
-
-@dataclass(frozen=True)
-class Difference:
-    """A storage whose measured bytes differ from the model's."""
-
-    storage: str
-    tensors: tuple[str, ...]
-    predicted: int
-    measured: int
-    start: int
     end: int
 
 
@@ -161,24 +151,25 @@ def saved_term(differences: list[Difference]) -> MemoryTerm:
                       tuple((d.start, d.end, d.measured - d.predicted) for d in differences))
 
 
-def add_term(plan: ShardPlan, term: MemoryTerm) -> None:
-    """``term`` into the plan's terms and its predicted peak after (the timeline after moves by its bytes)."""
-    plan.terms.append(term)
+def add_term(report: RunReport, plan: ShardPlan, term: MemoryTerm) -> None:
+    """``term`` into the report's terms, and ``plan``'s timeline and predicted peak after moved by its bytes into
+    the report (the plan stays as compiled)."""
+    report.terms = (*report.terms, term)
     t = plan.timeline_after
     if t is None or not term.spans:
         return
     live = (span_bytes([(s, e, b) for s, e, b in term.spans], len(t.steps)) + t.live_bytes).tolist()
-    plan.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
-    plan.peak_bytes_after = plan.timeline_after.peak_bytes
+    report.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
+    report.peak_bytes_after = report.timeline_after.peak_bytes
 
 
 class SavedAudit:
-    """The forward's check of what it saves (``fp8shard_audit``'s state): at the first call, compares and records;
-    until the program's first backward, counts the forward's calls (``calls``: under ThunderFX one compiled program
-    can serve several blocks of a step)."""
+    """The forward's check of what it saves (``fp8shard_audit``'s state): at the first call, compares and records
+    into ``report``; until the program's first backward, counts the forward's calls (``calls``: under ThunderFX one
+    compiled program can serve several blocks of a step). ``plan``: the prediction it checks (read only)."""
 
-    def __init__(self, plan: ShardPlan, expected: list[SavedStorage], names: list[str]):
-        self.plan, self.expected, self.names = plan, expected, names
+    def __init__(self, plan: ShardPlan, report: RunReport, expected: list[SavedStorage], names: list[str]):
+        self.plan, self.report, self.expected, self.names = plan, report, expected, names
         self.done, self.counting, self.calls = False, True, 0
 
     def __call__(self, saved) -> None:
@@ -188,12 +179,11 @@ class SavedAudit:
             return
         self.done = True
         total, differences = compare(self.expected, self.names, list(saved))
-        self.plan.audit = {"measured_saved_bytes": total, "predicted_saved_bytes": sum(e.nbytes for e in self.expected),
-                           "differences": [d.__dict__ for d in differences],
-                           "peak_bytes_after_at_compilation": self.plan.peak_bytes_after}
+        self.report.saved = SavedCheck(total, sum(e.nbytes for e in self.expected), tuple(differences),
+                                       self.plan.peak_bytes_after)
         if differences:
             term = saved_term(differences)
-            add_term(self.plan, term)
+            add_term(self.report, self.plan, term)
             warnings.warn(f"ShardIntermediates: the forward saves storages the memory model sized otherwise: "
                           f"{term.how.split('(', 1)[1].rstrip(')')}; the plan's predicted peak now counts them",
                           RuntimeWarning, stacklevel=2)
@@ -207,12 +197,16 @@ class Calibration:
     peak (:meth:`~thunder_fp8shard.memory.device.DeviceProbe.peak_allocated`; None on the CPU); ``agree`` takes this
     rank's reading and returns the largest over the shard group; ``on_miss(error_bytes)`` is called, on every rank alike,
     when the budget is missed; otherwise ``on_done()`` once the calibration is done (it removes both checks from the
-    program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). (A plain class: Thunder prints a dataclass constant in the trace field by field.)"""
+    program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). It reads the prediction of
+    ``plan`` as the audit corrected it and writes into ``report``. (A plain class: Thunder prints a dataclass constant
+    in the trace field by field.)"""
 
-    def __init__(self, plan: ShardPlan, device: str | None, budget_bytes: int | None, agree: Callable[[int], int],
-                 on_miss: Callable[[int], None], audit: SavedAudit, on_done: Callable[[], str | None] | None = None,
+    def __init__(self, plan: ShardPlan, report: RunReport, device: str | None, budget_bytes: int | None,
+                 agree: Callable[[int], int], on_miss: Callable[[int], None], audit: SavedAudit,
+                 on_done: Callable[[], str | None] | None = None,
                  peak: Callable[[str | None], int | None] = peak_allocated):
-        self.plan, self.device, self.budget_bytes, self.agree, self.on_miss = plan, device, budget_bytes, agree, on_miss
+        self.plan, self.report, self.device, self.budget_bytes = plan, report, device, budget_bytes
+        self.agree, self.on_miss = agree, on_miss
         self.peak = peak
         self.audit, self.on_done, self.calls, self.done = audit, on_done, 0, False
 
@@ -222,8 +216,8 @@ class Calibration:
         self.calls += 1
         if self.calls == 1:  # the program's first backward: its forward ran this many times in the first step
             self.audit.counting = False
-            self.plan.runs_per_step = max(self.audit.calls, 1)
-        if self.calls < CALIBRATION_CALL * self.plan.runs_per_step:  # the last backward of the calibration step
+            self.report.runs_per_step = max(self.audit.calls, 1)
+        if self.calls < CALIBRATION_CALL * self.report.runs_per_step:  # the last backward of the calibration step
             return
         self.done = True
         if not self._calibrate():  # a missed budget drops the program: nothing left to run without the checks
@@ -232,9 +226,9 @@ class Calibration:
     def _finish(self) -> None:
         """Both checks are done: the program runs without them from the next call on (``on_done``)."""
         did = self.on_done() if self.on_done is not None else None
-        self.plan.checks_removed = (f"after backward call {self.calls}: {did}" if did else
-                                    f"not removed after backward call {self.calls}: the program is not in Thunder's "
-                                    "cache (or the pass was given no cache); both return at once")
+        self.report.checks_removed = (f"after backward call {self.calls}: {did}" if did else
+                                      f"not removed after backward call {self.calls}: the program is not in "
+                                      "Thunder's cache (or the pass was given no cache); both return at once")
 
     def _calibrate(self) -> bool:
         """Reads the device's peak, records it, and replans a missed budget (returns True then)."""
@@ -242,14 +236,13 @@ class Calibration:
         if mine is None:
             return False
         measured = self.agree(mine)
-        predicted = self.plan.peak_bytes_after
+        predicted = self.report.corrected(self.plan).peak_bytes_after
         error = measured - predicted if predicted is not None else None
-        self.plan.calibration = {"measured_peak_bytes": measured, "own_peak_bytes": mine,
-                                 "predicted_peak_bytes": predicted, "error_bytes": error,
-                                 "error_pct": None if not predicted else 100.0 * error / predicted,
-                                 "at": f"end of backward call {CALIBRATION_CALL}"}
-        if self.budget_bytes is not None and measured > self.budget_bytes:
-            self.plan.calibration["budget_missed"] = True
+        missed = self.budget_bytes is not None and measured > self.budget_bytes
+        self.report.calibration = CalibrationReading(measured, mine, predicted, error,
+                                                     None if not predicted else 100.0 * error / predicted,
+                                                     f"end of backward call {CALIBRATION_CALL}", budget_missed=missed)
+        if missed:
             warnings.warn(
                 f"ShardIntermediates: the device peaked at {measured:,} B, over the budget {self.budget_bytes:,} B "
                 f"(predicted {predicted:,} B): the next call recompiles and plans with the {error:,} B error as a "

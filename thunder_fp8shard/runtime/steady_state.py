@@ -7,12 +7,12 @@ having finished at the first backward), :func:`checks_dropper`'s function replac
 entry in Thunder's cache (``CacheEntry.computation_fn`` and ``backward_fn``) by ones built, as Thunder builds them,
 from the same traces without those two bound symbols. The traces the first calls ran stay in the entry's lists, and
 the traces without the checks are appended after them (``thunder.last_traces(jm)[-1]`` and
-``last_backward_traces(jm)[-1]`` show what runs now, ``[-2]`` what the first calls ran); the plan records when the
-checks were removed (``ShardPlan.checks_removed``). A backward already connected to autograd keeps the callable it
+``last_backward_traces(jm)[-1]`` show what runs now, ``[-2]`` what the first calls ran); the run report records
+when the checks were removed (``RunReport.checks_removed``). A backward already connected to autograd keeps the callable it
 was given (a forward run before the swap); that backward's check returns at once.
 
 The entry is found by its traces' identity; where it is not in the cache (dropped by a replan, ``cache_dropper``, or
-a jit without caching), nothing is replaced and the plan says that the checks stay.
+a jit without caching), nothing is replaced and the run report says that the checks stay.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from thunder_fp8shard.planning.planner import RAISES
+from thunder_fp8shard.reporting.plan_text import plan_text
 
 
 # the GPU tests' litgpt Llama-2-7b-hf config, shrunk to keep them fast (``tests/test_te_gpu.py``,
@@ -278,8 +279,9 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     if sh is not None and sh.plans:
         # under FSDP2 one plan a subgraph, and one subgraph can serve several blocks (Dynamo reuses the graph of
         # blocks of the same class): a step's totals are each training plan times its runs a step (counted at run time)
+        report_of = {id(p): r for p, r in zip(sh.plans, sh.reports)}
         trained = [p for p in sh.plans if p.decisions or p.compactions]
-        runs = [p.runs_per_step or 1 for p in trained]
+        runs = [report_of[id(p)].runs_per_step or 1 for p in trained]
         out["plans"] = len(sh.plans)
         out["runs_per_step"] = runs
         out["sharded_total"] = sum(len(p.sharded) * r for p, r in zip(trained, runs))
@@ -290,17 +292,20 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
         out["predicted_saving_total"] = sum((p.saved_bytes_before - p.saved_bytes_after) * r
                                             for p, r in zip(trained, runs))
         plan = max(trained, key=lambda p: len(p.decisions) + len(p.compactions)) if trained else sh.plans[-1]
+        report = report_of[id(plan)]
+        run_plan = report.corrected(plan)  # the prediction as the run-time audit corrected it
         out["plan"] = {
-            "text": str(plan), "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
+            "text": plan_text(plan, report), "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
             "predicted_saving": plan.saved_bytes_before - plan.saved_bytes_after,
             # the ranks each copy is sharded over (shard_group_size; the world size by default) and what each rank
             # all-gathers in backward per step
             "shard_group_size": plan.k, "gathered_bytes_per_step": plan.gathered_bytes_per_step,
             "predicted_peak_before": getattr(plan, "peak_bytes_before", None),
-            "predicted_peak_after": getattr(plan, "peak_bytes_after", None),
+            "predicted_peak_after": run_plan.peak_bytes_after,
             "compacted": len(plan.compacted), "compacted_bytes": plan.compacted_bytes_per_step,
-            "audit": plan.audit, "calibration": plan.calibration, "runs_per_step": plan.runs_per_step,
-            "operator_calls": dict(plan.operator_calls), "checks_removed": plan.checks_removed,
+            "audit": report.saved and asdict(report.saved),
+            "calibration": report.calibration and asdict(report.calibration), "runs_per_step": report.runs_per_step,
+            "operator_calls": dict(plan.operator_calls), "checks_removed": report.checks_removed,
             "compactions_in_shard_ops": sum(c.shard_op is not None for c in plan.compacted),
             "decisions": [{**asdict(d), "shape": list(d.shape), "bytes_saved": d.bytes_saved} for d in plan.decisions],
             "notes": list(plan.notes),
@@ -310,7 +315,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             "forward_gather_calls": list(plan.forward_gather_calls),
         }
         if rank == 0:
-            print(plan, flush=True)
+            print(out["plan"]["text"], flush=True)
     return out
 
 

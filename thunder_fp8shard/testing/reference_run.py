@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.testing.measure import saved_bytes
 
 
@@ -50,6 +51,7 @@ class RunResult:
     plans: list[ShardPlan]
     traces: tuple[str, str] = ("", "")  # the executed forward and backward traces of the first step
     step_plans: list[list[int]] = field(default_factory=list)  # per step: indices into plans made during its forward
+    reports: list[RunReport] = field(default_factory=list)  # what the run-time checks observed of each plan
 
 
 def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
@@ -95,7 +97,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         if step == 0 and cfg.no_grad_call:
             with torch.no_grad():
                 result.no_grad_output = jm(torch.randn(2, cfg.widths[0], generator=gen))
-    result.plans = list(shard.plans)
+    result.plans, result.reports = list(shard.plans), list(shard.reports)
     return result
 
 
@@ -149,7 +151,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         if step == 0 and cfg.no_grad_call:
             with torch.no_grad():
                 result.no_grad_output = run(torch.randn(2, cfg.widths[0], generator=gen))
-    result.plans = list(shard.plans)
+    result.plans, result.reports = list(shard.plans), list(shard.reports)
     return result
 
 

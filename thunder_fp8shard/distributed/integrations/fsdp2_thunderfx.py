@@ -46,7 +46,7 @@ when the layers share a class: past ``torch._dynamo.config.cache_size_limit`` (8
 where the pass does not see them. Raise the limit (Thunder's benchmark_litgpt sets 64 for FSDP2). Under torch 2.11
 Dynamo inlines the built-in modules and reuses one graph for every block of the same class and shapes: one Thunder
 compilation, hence one plan, serves all of them, and runs once a block a step. The pass counts those runs at run time
-(the plan's ``runs_per_step``, see :mod:`thunder_fp8shard.runtime.audit`); a step's totals are each plan times its runs.
+(its run report's ``runs_per_step``, see :mod:`thunder_fp8shard.runtime.audit`); a step's totals are each plan times its runs.
 
 Each plan sees one subgraph, not the step: its predicted peak is that subgraph's program in the memory the step runs
 in. So ``policy="peak"`` and ``policy="budget"``, which need the step's peak, are refused here with a clear error;

@@ -1,0 +1,74 @@
+"""The plan is frozen once compiled; what the run-time checks observe goes to its run report
+(``thunder_fp8shard.runtime.run_report``), and the plan's text renders the two together."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from thunder_fp8shard.analysis.liveness import Step, Timeline
+from thunder_fp8shard.plan import MODELLED, Decision, MemoryTerm, ShardPlan
+from thunder_fp8shard.reporting.plan_text import plan_text
+from thunder_fp8shard.runtime.audit import CALIBRATION_CALL, Calibration, SavedAudit, SavedStorage
+from thunder_fp8shard.runtime.run_report import RunReport
+
+STEPS = tuple(Step(i, "forward" if i < 4 else "backward", f"op{i}") for i in range(8))
+LIVE = (100, 200, 300, 400, 400, 300, 200, 100)
+
+
+def _plan(**fields) -> ShardPlan:
+    timeline = Timeline(STEPS, LIVE, 4)
+    d = Decision("w", (4,), "float8_e4m3fn", "float8", 64, True, True, "identical on every rank", shard_nbytes=32)
+    return ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[d], saved_bytes_before=64,
+                     saved_bytes_after=32, peak_bytes_before=400, peak_bytes_after=timeline.peak_bytes,
+                     program_peak_bytes_before=400, program_peak_bytes_after=400, timeline_before=timeline,
+                     timeline_after=timeline, terms=[MemoryTerm("loss", MODELLED, "rule", ((4, 4, 0),))], **fields)
+
+
+def test_a_plan_is_frozen_and_holds_tuples():
+    plan = _plan(notes=["a note"])
+    assert isinstance(plan.decisions, tuple) and isinstance(plan.terms, tuple) and plan.notes == ("a note",)
+    assert all(isinstance(getattr(plan, f.name), tuple) for f in dataclasses.fields(plan)
+               if f.name in ("decisions", "terms", "buckets", "agreed", "notes", "compactions", "forward_gather"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.peak_bytes_after = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.notes = ("another",)
+    with pytest.raises(AttributeError):  # no append on a tuple
+        plan.terms.append(MemoryTerm("x", MODELLED, ""))
+    assert not any(hasattr(plan, f) for f in ("audit", "calibration", "runs_per_step", "checks_removed"))
+
+
+def test_the_checks_write_the_report_and_leave_the_plan_as_compiled():
+    """The audit finds a storage 2 KiB larger than modelled on steps 2-5, and the calibration reads the device's peak
+    against the prediction as the audit corrected it; the plan is unchanged throughout."""
+    plan, report = _plan(), RunReport()
+    compiled = dataclasses.replace(plan)
+    audit = SavedAudit(plan, report, [SavedStorage("t0", (0,), 1000, 2, 5)], ["t0"])
+    misses = []
+    calibration = Calibration(plan, report, "cuda:0", None, agree=lambda mine: mine + 10, on_miss=misses.append,
+                              audit=audit, on_done=lambda: "dropped", peak=lambda device: 3000)
+    with pytest.warns(RuntimeWarning, match="sized otherwise"):
+        audit([torch.zeros(1000 + 2048, dtype=torch.uint8)])
+    audit([torch.zeros(1, dtype=torch.uint8)])  # the program's second forward in the first step: counted
+    for _ in range(CALIBRATION_CALL * 2):  # two runs a step: the calibration step's last backward
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            calibration()
+    assert plan == compiled and plan.peak_bytes_after == 400 and len(plan.terms) == 1
+    assert report.saved.differences[0].measured - report.saved.differences[0].predicted == 2048
+    assert report.peak_bytes_after == 400 + 2048 == report.corrected(plan).peak_bytes_after
+    assert report.runs_per_step == 2 and report.checks_removed == f"after backward call {CALIBRATION_CALL * 2}: dropped"
+    c = report.calibration
+    assert (c.measured_peak_bytes, c.own_peak_bytes, c.predicted_peak_bytes, c.error_bytes) == (3010, 3000, 2448, 562)
+    assert not c.budget_missed and misses == []
+    text = plan_text(plan, report)
+    assert text.splitlines()[0] == plan_text(plan).splitlines()[0]  # the same plan
+    assert "predicted peak per rank:     400 B -> 2.39 KiB (2,448 B)" in text  # the corrected prediction
+    assert "predicted peak per rank:     400 B -> 400 B" in plan_text(plan)  # the plan's own
+    assert "calibration (end of backward call 2): device peak 2.94 KiB (3,010 B), predicted 2.39 KiB (2,448 B)" in text
+    assert "this program ran 2 times in the first step" in text and "first-call checks: after backward call 4" in text
+    assert "calibration (" not in plan_text(plan) and "first-call checks:" not in plan_text(plan)
