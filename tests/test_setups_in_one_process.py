@@ -188,3 +188,13 @@ def test_fsdp2_on_one_rank_proves_the_gathered_weight_copies_replicated(single_r
         (weight_copy,) = [d for d in plan.decisions if d.replicated]
         assert weight_copy.dtype == "float8_e4m3fn" and weight_copy.reason == ONE_RANK
         assert all("not an unsharded FSDP2 parameter" in d.reason for d in plan.decisions if not d.replicated)
+
+
+def test_a_deep_copy_is_the_transform_itself(single_rank_group):
+    """Lightning's ``torch.compile`` wrapper deep-copies the compile arguments (a ThunderCompiler and its transforms):
+    a transform holding a process group must survive that, and keep its plans."""
+    import copy
+
+    shard = ShardIntermediates(group=single_rank_group, min_bytes=0)
+    assert copy.deepcopy(shard) is shard
+    assert copy.deepcopy({"backend": [shard]})["backend"][0] is shard

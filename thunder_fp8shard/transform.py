@@ -82,6 +82,12 @@ class ShardIntermediates(Transform):
         self._calibration_bytes: int | None = None  # set by a missed budget: planned with from then on
         self.seams = Seams()
 
+    def __deepcopy__(self, memo) -> ShardIntermediates:
+        """The transform itself: it holds process groups (given, or made at its first compilation), which cannot be
+        copied, and its plans. Lightning's ``torch.compile`` wrapper deep-copies the compile arguments, a
+        ``ThunderCompiler`` with its transforms among them."""
+        return self
+
     def inject(self, **seams) -> ShardIntermediates:
         """Replaces what the pass reads of the world, or a choice a test plants wrong on purpose: the fields of
         :class:`~thunder_fp8shard.pipeline.Seams` (``device_probe``, ``collectives``, ``replication_analysis``,
