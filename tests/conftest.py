@@ -69,9 +69,10 @@ POOL_FIXTURES = {"rank_pools", "on_ranks"}
 
 
 ORDER = ("unit", "simulated", "multirank", "gpu", "notebook")
-# under pytest-xdist: the multi-rank tests (most of the CPU, each on several processes) first, the single-process
-# notebook and simulated ranks next, the in-process tests last, to fill the workers' ends
-XDIST_ORDER = ("multirank", "notebook", "simulated", "unit", "gpu")
+# under pytest-xdist: the single-process notebook and simulated ranks first (the other worker's ranks keep the other
+# core busy meanwhile), the multi-rank tests (most of the CPU, each on several processes) next, the in-process tests
+# last, many and short, to fill the workers' ends
+XDIST_ORDER = ("notebook", "simulated", "multirank", "unit", "gpu")
 
 
 def _tier(item) -> str:
