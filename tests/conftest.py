@@ -140,8 +140,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_finish(session):
     """Starts the rank pool's fork server if a selected test will use it (after collection: the workers import the
-    test modules from the ``sys.path`` of this moment). Not in an xdist worker: which worker runs the multi-rank tests
-    is known only when they come, and the first pool start starts the server then."""
+    test modules from the ``sys.path`` of this moment). Not in an xdist worker: each worker's first pool start starts
+    its own server, when its first multi-rank test comes (it may get none)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if any(POOL_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):
