@@ -18,4 +18,4 @@ demo: setup
 	$(PY) -m thunder_fp8shard.demo
 
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests --nbmake notebooks --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadscope tests --nbmake notebooks --durations=25

@@ -1,4 +1,6 @@
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,27 +69,23 @@ POOL_FIXTURES = {"rank_pools", "on_ranks"}
 
 
 ORDER = ("unit", "simulated", "multirank", "gpu", "notebook")
+# under pytest-xdist: the single-process notebook and simulated ranks first (the other worker's ranks keep the other
+# core busy meanwhile), the multi-rank tests (most of the CPU, each on several processes) next, the in-process tests
+# last, many and short, to fill the workers' ends
+XDIST_ORDER = ("notebook", "simulated", "multirank", "unit", "gpu")
 
 
 def _tier(item) -> str:
     return next(t for t in ORDER if item.get_closest_marker(t))
 
 
-def _xdist_group(item) -> str:
-    """The ``xdist_group`` of a test under ``pytest -n 2 --dist loadgroup`` (``make test``): every multi-rank test in
-    one group, so that one xdist worker runs them all on its one rank pool (one fork server, one set of gloo workers,
-    no two pools competing for the two cores); every other test with its module, so that a module's fixtures are made
-    once. The other worker runs the in-process tests, the simulated ranks and the notebook meanwhile."""
-    return "multirank" if item.get_closest_marker("multirank") else item.path.name
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every item gets its tier: nbmake's notebooks ``notebook``, tests without another tier ``unit`` (select with
     ``-m unit``, ``-m "not multirank"``, ...); a test on the session's gloo workers must be marked ``multirank``.
     The tiers run in ``ORDER`` (within one, in the order collected): the in-process tests first, while the rank pool's
-    fork server imports torch and Thunder on the other core. Under pytest-xdist each item gets its ``xdist_group``."""
-    xdist = config.pluginmanager.hasplugin("xdist")
+    fork server imports torch and Thunder on the other core. In a pytest-xdist worker in ``XDIST_ORDER``: the order
+    the scheduler (``pytest_xdist_make_scheduler``) hands the tests out in."""
     for item in items:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.notebook)
@@ -96,15 +94,54 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} runs on the gloo rank pool: mark it multirank")
         if not tiers:
             item.add_marker(pytest.mark.unit)
-        if xdist:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
-    items.sort(key=lambda item: ORDER.index(_tier(item)))
+    order = XDIST_ORDER if os.environ.get("PYTEST_XDIST_WORKER") else ORDER
+    items.sort(key=lambda item: order.index(_tier(item)))
+
+
+# ---- pytest-xdist (make test: -n 2 --dist loadscope) ------------------------------------------------------------------
+
+# a module that makes a fixture once for several of its tests keeps them on one worker
+_SHARED_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope=["'](?:module|package|class)["']""")
+
+
+def _shares_fixtures(path: str) -> bool:
+    try:
+        return bool(_SHARED_FIXTURE.search(Path(path).read_text()))
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with this suite's scopes: the tests of a module with a module-scoped fixture are one scope
+    (one worker makes the fixture once and runs them all), every other test is a scope of its own, so that the
+    multi-rank tests spread over the workers (each worker its own rank pool, its own fork server, its own stores).
+    The scopes are handed out in the order the workers collected them (``XDIST_ORDER``), as the workers free up.
+    Not ``--dist loadgroup``: pytest 9.2 ignores the node id that pytest-xdist 3.8 rewrites to carry an item's
+    ``xdist_group``, so every test became a group of its own there."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SuiteScopes(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # the collection's order, not the largest scopes first
+            self._module_scope: dict[str, bool] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path not in self._module_scope:
+                self._module_scope[path] = _shares_fixtures(str(Path(config.rootpath) / path))
+            return path if self._module_scope[path] else nodeid
+
+    return SuiteScopes(config, log)
 
 
 def pytest_collection_finish(session):
     """Starts the rank pool's fork server if a selected test will use it (after collection: the workers import the
-    test modules from the ``sys.path`` of this moment). Not in an xdist worker: which worker runs the multi-rank tests
-    is known only when they come, and the first pool start starts the server then."""
+    test modules from the ``sys.path`` of this moment). Not in an xdist worker: each worker's first pool start starts
+    its own server, when its first multi-rank test comes (it may get none)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if any(POOL_FIXTURES & set(getattr(item, "fixturenames", ())) for item in session.items):

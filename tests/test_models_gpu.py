@@ -135,10 +135,15 @@ def _benchmark_parameters() -> set[str]:
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_model_config_and_flags(model):
+def test_model_config_and_flags(model, monkeypatch):
     """Every flag is a parameter of Thunder's benchmark; the config resolves in the installed litgpt, has grouped-query
     attention, and every linear layer's dimensions are multiples of 16 (TransformerEngine's FP8 GEMMs need them; the
     benchmark pads only the vocabulary)."""
+    import torch
+
+    # importing litgpt imports lightning, whose fabric replaces torch.compile in this process (its wrapper deep-copies
+    # the backend's arguments: a later test's ProcessGroup cannot be); monkeypatch puts torch's back after this test
+    monkeypatch.setattr(torch, "compile", torch.compile)
     Config = pytest.importorskip("litgpt").Config  # litgpt is the device image's (and a dev install's), not the test extra's
 
     params = _benchmark_parameters()

@@ -118,6 +118,7 @@ class RankPool:
         self._procs: list = []
         self._tasks: list = []
         self._results = None
+        self._store = None
         atexit.register(self.close)
 
     @property
@@ -158,7 +159,11 @@ class RankPool:
     def _start(self) -> None:
         self.discard()
         ctx = _pool_context()
-        port = _free_port()
+        # the process group's store is served from here, on a port the kernel picks and this process holds while the
+        # workers live: no other pool (another pytest-xdist worker's, say) can take that port between its choice and
+        # its use, as it could a port found free and released
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_pool_main, args=(r, self.world_size, port, self._tasks[r], self._results),
@@ -179,6 +184,7 @@ class RankPool:
             self._results.close()
             self._results.cancel_join_thread()
             self._results = None
+        self._store = None
 
     def close(self, timeout_s: float = 10) -> None:
         """Stops the workers: each leaves the process group and exits (killed if it does not in ``timeout_s``)."""
@@ -301,7 +307,8 @@ def _pool_main(rank, world_size, port, tasks, results):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the pool's (RankPool._start)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         fresh = _FreshState()
         gc.collect()
         gc.freeze()  # what is imported stays: the collector skips it (a tenth of a Thunder compilation's time)
