@@ -32,7 +32,7 @@ def _plan(fw, bw, prefetch: int, together: bool, one_op: bool = False) -> ShardP
                  for c in sorted(candidates, key=lambda c: model.placements[c.name].first_use)]
     groups = [decisions] if together else [[d] for d in decisions]
     ops_of = [0] * len(groups) if one_op or together else list(range(len(groups)))
-    buckets = place(groups, ops_of, model, prefetch=prefetch, world_size=WORLD)
+    buckets = place(groups, ops_of, model, prefetch=prefetch, k=WORLD)
     return ShardPlan(world_size=WORLD, method="slice", policy="all", prefetch=prefetch, decisions=decisions,
                      saved_bytes_before=0, saved_bytes_after=0, buckets=buckets)
 
@@ -41,7 +41,7 @@ def _rewrite(fsdp_traces, prefetch, together=False, one_op=False):
     fw, bw, group = fsdp_traces
     plan = _plan(fw, bw, prefetch, together, one_op)
     shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
-    new_fw = rewrite_forward(fw, shard_ops, group=group, world_size=WORLD, method="slice", verify=False,
+    new_fw = rewrite_forward(fw, shard_ops, group=group, k=WORLD, method="slice", verify=False,
                              compactions=compactions, provenance="fwd test")
     new_bw, gathers = rewrite_backward(bw, new_fw, group=group, provenance="bwd test")
     return fw, bw, new_fw, new_bw, gathers
@@ -191,7 +191,7 @@ def test_a_compaction_the_plan_gives_a_shard_op_is_made_by_that_op_in_one_call(f
     for placed, expected_compact_calls in ((c, 0), (replace(c, shard_op=None), 1)):
         p = replace(plan, compactions=[placed])
         shard_ops, compactions = requests(p, fw, bw, {x.name: x for x in forward_saved(fw)[0]})
-        new_fw = rewrite_forward(fw, shard_ops, group=group, world_size=WORLD, method="slice", verify=False,
+        new_fw = rewrite_forward(fw, shard_ops, group=group, k=WORLD, method="slice", verify=False,
                                  compactions=compactions, provenance="fwd test")
         new_bw, _ = rewrite_backward(bw, new_fw, group=group, provenance="bwd test")
         calls = operator_calls(new_fw.trace, new_bw)

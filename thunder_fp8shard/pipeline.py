@@ -100,7 +100,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
     n = sum(len(r.members) for op in shard_ops for r in op.buckets)
     new_fw = rewrite_forward(
-        fw, shard_ops, group=group, world_size=k, method=o.method, verify=o.verify, compactions=compactions,
+        fw, shard_ops, group=group, k=k, method=o.method, verify=o.verify, compactions=compactions,
         provenance=f"{name}: {n} saved tensors kept as 1/{k} shards of {len(plan.buckets)} "
         f"bucket(s) by {len(shard_ops)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
     )

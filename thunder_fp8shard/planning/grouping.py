@@ -33,7 +33,7 @@ HEADROOM = 0.05  # a merge may add bytes only where the model predicts this frac
 
 
 def place(
-    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, world_size: int
+    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
 ) -> list[Bucket]:
     """The :class:`Bucket`\\ s of a grouping: ``buckets`` lists the members of each bucket, buckets in order of first
     backward use; ``ops[j]`` is the shard op of bucket ``j`` (non-decreasing, consecutive buckets share an op).
@@ -45,7 +45,7 @@ def place(
     """
     placements = model.placements
     first_uses = [placements[b[0].name].first_use for b in buckets]
-    layouts = [bucket_layout([d.nbytes for d in b], world_size) for b in buckets]
+    layouts = [bucket_layout([d.nbytes for d in b], k) for b in buckets]
     shard_at: dict[int, int] = {}
     until: dict[int, int] = {}
     members_of: dict[int, list[int]] = {}
@@ -69,14 +69,14 @@ def place(
 
 
 def group(
-    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int,
+    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
     compactions: Sequence[Compaction] = (),
 ) -> list[Bucket]:
     """Buckets and shard ops for the chosen tensors (see the module's docstring), on the model with ``compactions``
     made; ``bucket_bytes=0`` gives one tensor a bucket and one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]
-    build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
+    build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, k=k)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
     base = model.live_bytes(compactions=compactions)  # the step with the compactions made and nothing sharded
@@ -94,9 +94,9 @@ def group(
     # shard ops: consecutive buckets whose shards one op keeps
     by_op = _grow(
         [[j] for j in range(len(merged))], lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes,
-        lambda parts: fits(build(merged, [k for k, p in enumerate(parts) for j in p for _ in j])),
+        lambda parts: fits(build(merged, [op for op, p in enumerate(parts) for j in p for _ in j])),
     )
-    return build(merged, [k for k, p in enumerate(by_op) for j in p for _ in j])
+    return build(merged, [op for op, p in enumerate(by_op) for j in p for _ in j])
 
 
 def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:

@@ -109,12 +109,12 @@ class ForwardRewrite:
     sharded: tuple[ShardedBucket, ...]
     shards: tuple[TensorProxy, ...]  # one per shard op
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
-    world_size: int  # what each shard is 1/world_size of
+    k: int  # the shard group's size: what each shard is 1/k of
     compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
 
 
 def rewrite_forward(
-    fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, world_size: int, method: str, verify: bool,
+    fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, k: int, method: str, verify: bool,
     provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
     """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
@@ -140,7 +140,7 @@ def rewrite_forward(
             new.push_scope(scope)
             members = tuple(r.members for r in op.buckets)
             names = tuple(tuple(p.name for p in m) for m in members)
-            spec = ops.ShardSpec(group, world_size, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
+            spec = ops.ShardSpec(group, k, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
             if spec.shard_nbytes != op.shard_nbytes:
                 raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
                                  f"{spec.shard_nbytes:,} B")
@@ -165,7 +165,7 @@ def rewrite_forward(
     _update_forward_with_new_saved_for_backward(new, saved)
     out = del_last_used(new)
     out.set_provenance(TraceProvenance(provenance))
-    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size, tuple(compacted.values()))
+    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, k, tuple(compacted.values()))
 
 
 def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance: str) -> tuple[TraceCtx, list[int]]:
@@ -196,7 +196,7 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
             r = s.request
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.world_size, group)
+            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.k, group)
             new.pop_scope()
             before.setdefault(0 if r.start_before is None else position[id(r.start_before)], []).extend(scope)
             wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
