@@ -32,6 +32,14 @@ from thunder_fp8shard.plan import Bucket, Compaction, Decision
 HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
 
 
+def prefetched_by(j: int, prefetch: int) -> int | None:
+    """The bucket at whose first backward use bucket ``j``'s all-gather is issued: the one ``prefetch`` places
+    earlier, or None where there is none (the all-gather is issued at the start of the backward body). The one rule
+    for it: the plan's steps (:func:`place`) and the rewrite's anchors
+    (:func:`thunder_fp8shard.rewrite.traces.requests`) both follow it."""
+    return j - prefetch if j >= prefetch else None
+
+
 def place(
     buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
 ) -> list[Bucket]:
@@ -39,7 +47,7 @@ def place(
     backward use; ``ops[j]`` is the shard op of bucket ``j`` (non-decreasing, consecutive buckets share an op).
 
     A bucket is gathered before the first backward use of any member; its all-gather is issued at the first use of
-    the bucket ``prefetch`` places earlier (or at the start of the backward). A shard op runs after the last forward
+    the bucket ``prefetch`` places earlier (or at the start of the backward body: :func:`prefetched_by`). A shard op runs after the last forward
     use of any member of its buckets; its output is their shards packed one after the other
     (:func:`~thunder_fp8shard.planning.layout.packed_offsets`), and it is held until the wait of its last bucket.
     """
@@ -61,7 +69,7 @@ def place(
             index=j, members=tuple(d.name for d in b), nbytes=sum(d.nbytes for d in b),
             shard_nbytes=layouts[j].shard_nbytes, gathered_nbytes=layouts[j].gathered_nbytes,
             shard_at=shard_at[ops[j]], first_use=first_uses[j],
-            gather_at=first_uses[j - prefetch] if j >= prefetch else model.backward_body_start,
+            gather_at=model.backward_body_start if (src := prefetched_by(j, prefetch)) is None else first_uses[src],
             shard_op=ops[j], shard_offset=offsets[j], shard_until=until[ops[j]],
         )
         for j, b in enumerate(buckets)

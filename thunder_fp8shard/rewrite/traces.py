@@ -26,6 +26,7 @@ from thunder.core.transforms import (
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
+from thunder_fp8shard.planning.grouping import prefetched_by
 from thunder_fp8shard.runtime import ops
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
@@ -74,7 +75,7 @@ def requests(plan: ShardPlan, fw: TraceCtx, bw: TraceCtx, proxy_of: Mapping[str,
     ops_of: dict[int, list[BucketRequest]] = {}
     after: dict[int, BoundSymbol] = {}
     for j, b in enumerate(plan.buckets):
-        start = None if j < plan.prefetch else bw.bound_symbols[b.gather_at - n_fw]  # see grouping.place
+        start = None if prefetched_by(j, plan.prefetch) is None else bw.bound_symbols[b.gather_at - n_fw]
         ops_of.setdefault(b.shard_op, []).append(BucketRequest(
             tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
             start))
