@@ -37,6 +37,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather
 
@@ -75,7 +76,7 @@ def _outs(b: BoundSymbol) -> list:
 def _consumers(body: Sequence[BoundSymbol]) -> dict[str, list[BoundSymbol]]:
     out: dict[str, list[BoundSymbol]] = {}
     for b in body:
-        if b.sym.id in (PrimIDs.DEL, PrimIDs.RETURN):
+        if is_bookkeeping(b):  # not a use
             continue
         for p in {p.name: p for p in b.flat_proxy_args}.values():
             out.setdefault(p.name, []).append(b)
