@@ -360,9 +360,10 @@ def test_the_rewrite_makes_compactions_in_their_shard_ops_call_and_the_others_on
     plan = ShardPlan(world_size=2, method="slice", policy="all", prefetch=0, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, buckets=buckets, compactions=[moved])
     proxies = {n: SimpleNamespace(name=n) for n in ("W2", "V")}
-    (op,), alone = requests(plan, fw, bw, proxies)
+    facts = SimpleNamespace(forward=fw, backward=bw, backward_start=5, saved=tuple(proxies.values()))  # ProgramFacts'
+    (op,), alone = requests(plan, facts)
     assert alone == [] and op.compact == (proxies["V"],) and op.after is steps[3]
-    (op,), (req,) = requests(replace(plan, compactions=[c]), fw, bw, proxies)
+    (op,), (req,) = requests(replace(plan, compactions=[c]), facts)
     assert op.compact == () and req.members == (proxies["V"],) and req.after is steps[1]
 
 

@@ -12,7 +12,6 @@ them and return new traces (the inputs are not modified) with dels regenerated a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
@@ -29,7 +28,8 @@ from thunder.executors.pythonex import clear_mutable_collection
 from thunder_fp8shard.planning.grouping import prefetched_by
 from thunder_fp8shard.runtime import ops
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
+from thunder_fp8shard.analysis.program import ProgramFacts
+from thunder_fp8shard.analysis.saved import backward_saved
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,12 @@ class CompactionRequest:
     after: BoundSymbol
 
 
-def requests(plan: ShardPlan, fw: TraceCtx, bw: TraceCtx, proxy_of: Mapping[str, TensorProxy]
-             ) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
+def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
     """The plan's shard ops (their buckets, in order of first backward use) and compactions as requests anchored on
-    the bound symbols of ``fw`` and ``bw`` (the traces the plan was made on: its steps are their bound symbols, the
-    forward's then the backward's); ``proxy_of`` names the saved tensors."""
-    n_fw = len(fw.bound_symbols)
+    the bound symbols of the program ``facts`` describes (the one the plan was made on: its steps are the bound
+    symbols of the forward, then of the backward)."""
+    fw, bw, n_fw = facts.forward, facts.backward, facts.backward_start
+    proxy_of = {p.name: p for p in facts.saved}
     ops_of: dict[int, list[BucketRequest]] = {}
     after: dict[int, BoundSymbol] = {}
     for j, b in enumerate(plan.buckets):
@@ -115,12 +115,14 @@ class ForwardRewrite:
 
 
 def rewrite_forward(
-    fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, k: int, method: str, verify: bool,
+    facts: ProgramFacts, shard_ops: list[ShardOpRequest], *, group, k: int, method: str, verify: bool,
     provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
     """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
     instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
-    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views."""
+    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views (``facts``: of the
+    program the plan was made on; its forward is rewritten, not modified)."""
+    fw = facts.forward
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     position = {id(b): i for i, b in enumerate(body)}
     new = from_trace(fw)
@@ -156,11 +158,10 @@ def rewrite_forward(
     new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
 
     gone = {p.name for s in sharded for p in s.originals}
-    saved_tensors, saved_other = forward_saved(fw)
     saved = (
-        *(compacted[p.name][1] if p.name in compacted else p for p in saved_tensors if p.name not in gone),
+        *(compacted[p.name][1] if p.name in compacted else p for p in facts.saved if p.name not in gone),
         *shards,
-        *saved_other,
+        *facts.saved_other,
         *(s.restorer for s in sharded),
     )
     _update_forward_with_new_saved_for_backward(new, saved)
