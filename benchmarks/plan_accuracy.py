@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]
 
 from thunder_fp8shard.testing import litgpt_run  # noqa: E402
+from thunder_fp8shard.testing.trained import trained  # noqa: E402
 
 MARK_BYTES = 1021 * 512  # a multiple of the CUDA allocator's 512-byte rounding with a prime factor no model has
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -326,7 +327,7 @@ def accuracy_rank(rank: int, world_size: int, cfg, steps: int, snapshot_dir: str
             mark(s.device)
             events, device_stats = recorder.stop()
         del logits, loss
-    plan = max(s.shard.plans, key=lambda p: len(p.decisions))
+    plan = trained(s.shard.plans).plan  # the training compilation's (testing/trained.py's rule)
     out = report(plan, events, baseline, device_stats)
     out.update(rank=rank, world_size=world_size, device=str(s.device), n_params=s.n_params)
     return out
