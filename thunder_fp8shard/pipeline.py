@@ -26,7 +26,7 @@ from thunder_fp8shard.analysis.saved import backward_saved
 from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES, Collectives, agree, check, largest
 from thunder_fp8shard.distributed.integrations import Integration
 from thunder_fp8shard.distributed.shard_groups import ShardGroup
-from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe, program_device
+from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planning.planner import choose, make_plan
@@ -110,7 +110,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     )
     audit = SavedAudit(plan, expected_storages(analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
-    calibration = Calibration(plan, program_device(fw), plan.budget_bytes,
+    calibration = Calibration(plan, facts.device, plan.budget_bytes,
                               functools.partial(largest, group=group, comm=seams.collectives), on_miss, audit,
                               peak=seams.device_probe.peak_allocated)
     new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from thunder_fp8shard.analysis.candidates import Candidate, find_candidates, saved_bytes_by_dtype
 from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.replication import Replication, analyze_replication
-from thunder_fp8shard.memory.device import program_device
 from thunder_fp8shard.memory.model import MemoryModel, gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import MemoryTerm
@@ -42,14 +41,14 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_ter
     (None on the CPU); ``extra_terms``: memory terms measured at run time before (the calibration's error after a
     missed budget); ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a
     test injects another, see :class:`thunder_fp8shard.pipeline.Seams`)."""
-    fw = facts.forward
     candidates = find_candidates(facts.saved, options.candidates, facts.te_names) if setup is not None else []
     model = memory_model(facts, candidates, options=options, device=device,
-                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, program_device(fw)))
+                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device))
     if extra_terms:
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
     replication = None
     if setup is not None:
+        fw = facts.forward
         replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
     return Analysis(tuple(candidates), model, replication, facts.saved_names, facts.model_io,
                     saved_bytes_by_dtype(facts.saved, facts.te_names))

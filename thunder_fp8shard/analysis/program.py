@@ -2,8 +2,9 @@
 :func:`program_facts` (pure), which :func:`thunder_fp8shard.pipeline.compile_plan` calls once and hands to every
 stage (the analysis, the memory model and its terms, the rewrite). Each fact has one rule: the saved tensors
 (:func:`~thunder_fp8shard.analysis.saved.forward_saved`), the forward's inputs and outputs, the backward's start
-(the first backward step of the joint timeline), the last step, and the joint program's graph, steps and storage
-lives (:mod:`thunder_fp8shard.analysis.liveness`, TransformerEngine's quantized tensors counted at their payload).
+(the first backward step of the joint timeline), the last step, the joint program's graph, steps and storage lives
+(:mod:`thunder_fp8shard.analysis.liveness`, TransformerEngine's quantized tensors counted at their payload), and the
+device it runs on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from thunder.core.trace import TraceCtx
 from thunder_fp8shard.analysis.candidates import payload_nbytes, te_quantized_names
 from thunder_fp8shard.analysis.liveness import Life, Step, forward_return, joint_graph, program_steps, storage_lives
 from thunder_fp8shard.analysis.saved import forward_saved, model_io_names
+from thunder_fp8shard.memory.device import program_device
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class ProgramFacts:
     steps: tuple[Step, ...]  # one a bound symbol: the forward's, then the backward's
     graph: nx.DiGraph  # liveness.joint_graph of the two traces
     lives: dict[str, Life]  # the program's storages, TE quantized tensors at their payload (1 B an element)
+    device: str | None  # the CUDA device of the forward's inputs (memory.device.program_device); None: the CPU
 
     @property
     def last_step(self) -> int:
@@ -68,4 +71,4 @@ def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) 
     outputs = tuple({p.name: p for p in forward_return(fw)[0]}.values())
     lives = storage_lives(fw, bw, nbytes_of=lambda p: payload_nbytes(p, te), graph=graph)
     return ProgramFacts(fw, bw, tuple(saved), tuple(saved_other), args, outputs, frozenset(model_io_names(fw)), te,
-                        graph.graph["backward_start"], program_steps(fw, bw), graph, lives)
+                        graph.graph["backward_start"], program_steps(fw, bw), graph, lives, program_device(fw))
