@@ -40,7 +40,7 @@ from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.aliasing import region_aliasing
-from thunder_fp8shard.analysis.saved import tensor_nbytes
+from thunder_fp8shard.analysis.saved import forward_inputs, tensor_nbytes
 
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
 VIEW_OPS = frozenset(
@@ -223,7 +223,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
             tensors[p.name] = attrs
             nodes.append((p.name, attrs))
 
-    for p in _tensors(tree_flatten((fw_trace.args, fw_trace.kwargs))[0]):
+    for p in _tensors(forward_inputs(fw_trace)):
         add_tensor(p, 0)
         tensors[p.name]["held_until"] = bw_start - 1
     for i, (phase, bsym) in enumerate(joint):

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import networkx as nx
 from thunder.core.proxies import Proxy, TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.candidates import payload_nbytes, te_quantized_names
 from thunder_fp8shard.analysis.liveness import Life, Step, forward_return, joint_graph, program_steps, storage_lives
-from thunder_fp8shard.analysis.saved import forward_saved, model_io_names
+from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, model_io_names
 from thunder_fp8shard.memory.device import program_device
 
 
@@ -67,7 +66,7 @@ def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) 
     te = frozenset(te_quantized_names(fw) if te_names is None else te_names)
     saved, saved_other = forward_saved(fw)
     graph = joint_graph(fw, bw)
-    args = tuple(p for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, Proxy))
+    args = tuple(forward_inputs(fw))
     outputs = tuple({p.name: p for p in forward_return(fw)[0]}.values())
     lives = storage_lives(fw, bw, nbytes_of=lambda p: payload_nbytes(p, te), graph=graph)
     return ProgramFacts(fw, bw, tuple(saved), tuple(saved_other), args, outputs, frozenset(model_io_names(fw)), te,

@@ -19,6 +19,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.liveness import is_compute
+from thunder_fp8shard.analysis.saved import forward_inputs
 
 # prims whose result is not a deterministic function of their inputs
 _RANDOM_PRIMS = {PrimIDs.UNIFORM, PrimIDs.UNIFORM_PHILOX, PrimIDs.RANDINT, PrimIDs.RANDN, PrimIDs.MULTINOMIAL,
@@ -63,7 +64,7 @@ def analyze_replication(
     input_reasons = input_reasons or {}
     replicated: set[str] = set()
     per_rank: dict[str, str] = {}
-    for arg in _flat_proxies(trace.args) + _flat_proxies(list(trace.kwargs.values())):
+    for arg in forward_inputs(trace):
         if arg.name in replicated_inputs:
             replicated.add(arg.name)
         else:
