@@ -40,7 +40,7 @@ from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.aliasing import region_aliasing
-from thunder_fp8shard.analysis.saved import forward_inputs, tensor_nbytes
+from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, tensor_nbytes
 
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
 VIEW_OPS = frozenset(
@@ -188,9 +188,9 @@ def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
     if ret.sym.id != PrimIDs.RETURN:
         return [], []
     match ret.args:
-        case (dict() as out, (saved, _)):  # the augmented forward of thunder/transforms/autodiff.py
+        case (dict() as out, (_, _)):  # the augmented forward of thunder/transforms/autodiff.py
             outputs = tree_flatten((out.get("output"), out.get("flat_output")))[0]
-            return _tensors(outputs), _tensors(saved)
+            return _tensors(outputs), _tensors(forward_saved(fw_trace)[0])
         case _:
             return _tensors(ret.flat_proxy_args), []
 

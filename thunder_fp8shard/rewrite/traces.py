@@ -181,6 +181,8 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
         len(s.originals) for s in handoff.sharded
     ):
         raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
+    # what Thunder regenerates (the saved list's unpacks, _update_backward_with_new_saved_for_backward; dels and
+    # clears, del_last_used), dropped here: a rule of the rewrite's own, not "not a real op" (liveness.is_compute)
     body = [
         b for b in bw.bound_symbols
         if b.sym.id not in (PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT,
