@@ -45,6 +45,7 @@ sys.path[:0] = [p for p in (HERE, os.path.dirname(HERE)) if p not in sys.path]
 
 from thunder_fp8shard.reporting.plan_text import plan_text  # noqa: E402
 from thunder_fp8shard.testing import litgpt_run  # noqa: E402
+from thunder_fp8shard.testing.trained import trained  # noqa: E402
 
 MARK_BYTES = 1021 * 512  # a multiple of the CUDA allocator's 512-byte rounding with a prime factor no model has
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -328,10 +329,9 @@ def accuracy_rank(rank: int, world_size: int, cfg, steps: int, snapshot_dir: str
             mark(s.device)
             events, device_stats = recorder.stop()
         del logits, loss
-    i = max(range(len(s.shard.plans)), key=lambda j: len(s.shard.plans[j].decisions))
+    t = trained(s.shard.plans, s.shard.reports)  # the training compilation's plan (testing/trained.py's rule)
     # the prediction as the first call's audit corrected it (what the run checks against), with the checks' lines
-    out = report(s.shard.reports[i].corrected(s.shard.plans[i]), events, baseline, device_stats,
-                 text=plan_text(s.shard.plans[i], s.shard.reports[i]))
+    out = report(t.report.corrected(t.plan), events, baseline, device_stats, text=plan_text(t.plan, t.report))
     out.update(rank=rank, world_size=world_size, device=str(s.device), n_params=s.n_params)
     return out
 

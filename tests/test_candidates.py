@@ -12,14 +12,14 @@ ACTIVATION_SHAPES = {(3, 24), (3, 64), (3, 45)}  # its inputs per layer, batch 3
 
 def test_fp8_candidates_are_exactly_the_saved_float8_tensors(fsdp_traces):
     fw, _, _ = fsdp_traces
-    found = find_candidates(fw, "fp8", te_quantized_names(fw))
+    found = find_candidates(forward_saved(fw)[0], "fp8", te_quantized_names(fw))
     assert {tuple(c.proxy.shape) for c in found} == WEIGHT_SHAPES | ACTIVATION_SHAPES
     assert all(c.kind == FLOAT8 and c.payload_bytes == c.proxy.numel for c in found)  # 1 byte per element
 
 
 def test_all_candidates_adds_the_other_saved_tensors(fsdp_traces):
     fw, _, _ = fsdp_traces
-    found = find_candidates(fw, "all", te_quantized_names(fw))
+    found = find_candidates(forward_saved(fw)[0], "all", te_quantized_names(fw))
     saved = {p.name for p in forward_saved(fw)[0]}
     assert {c.name for c in found} == saved
     f32 = [c for c in found if c.kind == TENSOR]

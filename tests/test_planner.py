@@ -41,7 +41,7 @@ def _decide(model=MODEL, **options):
 
 
 def _evaluate(chosen, prefetch, bucket_bytes=0):
-    buckets = group(chosen, MODEL, prefetch=prefetch, bucket_bytes=bucket_bytes, world_size=2)
+    buckets = group(chosen, MODEL, prefetch=prefetch, bucket_bytes=bucket_bytes, k=2)
     return MODEL.evaluate(buckets), tuple(b.gather_at for b in buckets)
 
 
@@ -150,14 +150,14 @@ def test_the_plan_names_the_group_the_shards_travel_on(kind, size, words):
 
 def test_a_bucket_that_would_raise_the_backward_peak_is_not_formed():
     # merged, W2 and W1 would be gathered together at step 6, so 296 B (aligned) live at the spike at step 7
-    buckets = group(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, world_size=2)
+    buckets = group(SOUND[:2], MODEL, prefetch=0, bucket_bytes=80, k=2)
     assert [(b.members, b.shard_op) for b in buckets] == [(("W2",), 0), (("W1",), 1)]
     assert MODEL.evaluate(buckets).peak_bytes == 320
 
 
 def test_place_lays_a_bucket_out_and_times_its_shard_and_gather():
     (w1, w2) = SOUND[:2]
-    buckets = place([[w2, w1]], [0], MODEL, prefetch=0, world_size=2)
+    buckets = place([[w2, w1]], [0], MODEL, prefetch=0, k=2)
     assert [(b.members, b.shard_at, b.gather_at, b.first_use, b.shard_until) for b in buckets] == [(("W2", "W1"), 3, 6, 6, 6)]
     # W2 at byte 0, W1 at byte 256 (aligned): 296 bytes, 148 per rank
     assert (buckets[0].nbytes, buckets[0].shard_nbytes, buckets[0].gathered_nbytes) == (80, 148, 296)
@@ -169,7 +169,7 @@ def test_place_lays_a_bucket_out_and_times_its_shard_and_gather():
 
 def test_one_shard_op_can_keep_several_buckets_until_the_last_wait():
     (w1, w2) = SOUND[:2]
-    buckets = place([[w2], [w1]], [0, 0], MODEL, prefetch=0, world_size=2)
+    buckets = place([[w2], [w1]], [0, 0], MODEL, prefetch=0, k=2)
     assert [(b.shard_op, b.shard_offset, b.shard_at, b.shard_until) for b in buckets] == [(0, 0, 3, 8), (0, 20, 3, 8)]
     assert shard_op_nbytes(buckets) == {0: 40}
     after = MODEL.evaluate(buckets)
@@ -191,14 +191,14 @@ FREE_SOUND = [Decision(n, (512,), "float8_e4m3fn", "float8", 512, True, True, ""
 
 
 def test_buckets_grow_where_the_model_says_it_costs_no_peak():
-    singles = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, world_size=2)
-    merged = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1024, world_size=2)
+    singles = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, k=2)
+    merged = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1024, k=2)
     assert [b.members for b in singles] == [("W2",), ("W1",)]
     assert [(b.members, b.shard_at, b.gather_at) for b in merged] == [(("W2", "W1"), 2, 8)]
     assert FREE_MODEL.evaluate(merged).peak_bytes == FREE_MODEL.evaluate(singles).peak_bytes == 1000 + 3000 + 512
     # the gathered 1,024 B at steps 8-9 stay below A's peak
     assert FREE_MODEL.evaluate(merged).live_bytes[8] == 1000 + 1024 + 512
-    too_small = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1023, world_size=2)
+    too_small = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=1023, k=2)
     assert [b.members for b in too_small] == [("W2",), ("W1",)]
 
 
@@ -210,7 +210,7 @@ def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():
     # the program alone (340 B) is within 380 B; with the 50 resident bytes only sharding W1 (-20 B at the peak) is
     assert d["W1"].sharded and not d["W2"].sharded
     assert notes == ["budget 380 B: planned to 378 B (the budget less its 0.5% margin); predicted peak 370 B"]
-    assert model.evaluate(group([d["W1"]], model, prefetch=0, bucket_bytes=0, world_size=2)).peak_bytes == 370
+    assert model.evaluate(group([d["W1"]], model, prefetch=0, bucket_bytes=0, k=2)).peak_bytes == 370
     _, notes = _decide(policy="budget", budget_bytes=100, model=model)
     assert notes == ["budget 100 B cannot be met: planned to 99 B (the budget less its 0.5% margin), the best "
                      "predicted peak reachable (sharding every sound candidate and making every compaction, or fewer where "
@@ -230,15 +230,15 @@ def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
     # under A's 4,512 B peak, but within 5% of it, so they stay apart; without B the same merge is free
     lives = {**FREE_LIVES, "B": Life("B", ("B",), 1900, 7, 9)}
     model = replace(FREE_MODEL, lives=lives)
-    together = place([[FREE_SOUND[1], FREE_SOUND[0]]], [0], model, prefetch=0, world_size=2)
+    together = place([[FREE_SOUND[1], FREE_SOUND[0]]], [0], model, prefetch=0, k=2)
     assert model.evaluate(together).live_bytes[8] == 1000 + 1900 + 1024 + 512 == 4436
     assert model.evaluate(together).peak_bytes == 4512
-    buckets = group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)
+    buckets = group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, k=2)
     assert [b.members for b in buckets] == [("W2",), ("W1",)]
     from thunder_fp8shard.planning import grouping
 
     monkeypatch.setattr(grouping, "HEADROOM", 0.0)  # it is the margin that keeps them apart
-    assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, world_size=2)] == [("W2", "W1")]
+    assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, k=2)] == [("W2", "W1")]
 
 
 # W4 (40 B) is last used in forward at 1 and first in backward at 7, the spike: its shard (held to its wait) and its
@@ -254,7 +254,7 @@ def test_policy_all_never_raises_the_predicted_peak():
     before = RAISING_MODEL.evaluate([]).peak_bytes
     assert before == 380  # X + W1 + W4 + G at step 7
     # sharding W4 alone would put 400 B live at step 7
-    alone = group([W4], RAISING_MODEL, prefetch=0, bucket_bytes=0, world_size=2)
+    alone = group([W4], RAISING_MODEL, prefetch=0, bucket_bytes=0, k=2)
     assert RAISING_MODEL.evaluate(alone).peak_bytes == 400
     choice = choose([*SOUND, W4], RAISING_MODEL, ShardOptions(prefetch=0, policy="all"), 2)
     d = {x.name: x for x in choice.decisions}
@@ -268,7 +268,7 @@ def test_the_final_choice_is_checked_as_it_will_run():
     "all" what raises the peak goes; under "peak" what does not lower it goes."""
     from thunder_fp8shard.planning.planner import LOWERS_NOTHING, RAISES, _never_worse
 
-    sched = dict(prefetch=0, world_size=2)
+    sched = dict(prefetch=0, k=2)
     options = ShardOptions(prefetch=0, bucket_bytes=0)
     decisions = [*SOUND, W4]  # W3 goes too: the per-tensor steps of choose() would have refused it
     buckets = group(decisions, RAISING_MODEL, bucket_bytes=0, **sched)
@@ -323,7 +323,7 @@ def test_a_compaction_is_made_by_the_next_shard_op_where_the_predicted_peak_does
 
     # far below the peak (G = 600 B at step 7): moved from step 1 to W2's shard op at step 3, one call for both
     model, (c,) = _compaction_model(600)
-    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, world_size=2)
+    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, k=2)
     assert [(b.shard_op, b.shard_at) for b in buckets] == [(0, 3)]
     (moved,) = place_compactions([c], buckets, model)
     assert (moved.compact_at, moved.shard_op, moved.moved_from) == (3, 0, 1)
@@ -331,7 +331,7 @@ def test_a_compaction_is_made_by_the_next_shard_op_where_the_predicted_peak_does
     assert model.evaluate(buckets, [moved]).peak_bytes == model.evaluate(buckets, [c]).peak_bytes == 840
     # near it (G = 200 B: Q held to step 3 would make step 3 the peak): a call of its own, where it was
     model, (c,) = _compaction_model(200)
-    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, world_size=2)
+    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, k=2)
     assert model.live_bytes(buckets, [replace(c, compact_at=3)]).max() > model.live_bytes(buckets, [c]).max()
     assert place_compactions([c], buckets, model) == [c]
 
@@ -357,14 +357,15 @@ def test_the_rewrite_makes_compactions_in_their_shard_ops_call_and_the_others_on
     steps = [SimpleNamespace(step=i) for i in range(10)]
     fw, bw = SimpleNamespace(bound_symbols=steps[:5]), SimpleNamespace(bound_symbols=steps[5:])
     model, (c,) = _compaction_model(600)
-    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, world_size=2)
+    buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, k=2)
     (moved,) = place_compactions([c], buckets, model)
     plan = ShardPlan(world_size=2, method="slice", policy="all", prefetch=0, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, buckets=buckets, compactions=[moved])
     proxies = {n: SimpleNamespace(name=n) for n in ("W2", "V")}
-    (op,), alone = requests(plan, fw, bw, proxies)
+    facts = SimpleNamespace(forward=fw, backward=bw, backward_start=5, saved=tuple(proxies.values()))  # ProgramFacts'
+    (op,), alone = requests(plan, facts)
     assert alone == [] and op.compact == (proxies["V"],) and op.after is steps[3]
-    (op,), (req,) = requests(replace(plan, compactions=[c]), fw, bw, proxies)
+    (op,), (req,) = requests(replace(plan, compactions=[c]), facts)
     assert op.compact == () and req.members == (proxies["V"],) and req.after is steps[1]
 
 

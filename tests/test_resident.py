@@ -11,7 +11,7 @@ from thunder.executors.sdpaex import sdpea_bwd
 
 from test_liveness import HAND_LIVE, _hand_traces
 from thunder_fp8shard.memory.device import DeviceMemory, measure
-from thunder_fp8shard.analysis.liveness import storage_lives
+from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.memory.model import memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm, ShardPlan
@@ -23,7 +23,7 @@ LAST = 11
 
 def _terms(options=ShardOptions(), device=None, traces=None):
     fw, bw, _ = traces or _hand_traces()
-    return {t.name: t for t in step_terms(fw, bw, storage_lives(fw, bw), options, device)}
+    return {t.name: t for t in step_terms(program_facts(fw, bw, set()), options, device)}
 
 
 def _proxy(name, shape, device="cpu"):
@@ -109,12 +109,12 @@ def test_sdpa_backward_workspace_at_its_own_step():
 
 def test_the_device_model_is_the_program_plus_every_term_and_budgets_see_it():
     fw, bw, _ = _hand_traces()
-    model = memory_model(fw, bw, [], None, options=ShardOptions())
+    model = memory_model(program_facts(fw, bw, set()), [], options=ShardOptions())
     assert model.evaluate([], terms=False).live_bytes == HAND_LIVE
     # + loss 128 at 5; + x, c held 64 each from 5; + w held 64 from 9
     assert model.evaluate([]).live_bytes == (192, 192, 256, 256, 256, 640, 320, 320, 448, 320, 320, 320)
     device = DeviceMemory("cuda:0", 100, (("cuBLAS", 24),))  # no input on cuda:0: all 100 B are resident
-    model = memory_model(fw, bw, [], None, options=ShardOptions(optimizer_states=2), device=device)
+    model = memory_model(program_facts(fw, bw, set()), [], options=ShardOptions(optimizer_states=2), device=device)
     after = model.evaluate([])
     assert after.peak_bytes == 640 + 100 + 24 + 256 and after.peak_step.index == 5
 
@@ -135,7 +135,7 @@ def _plan(model):
 
 def test_plan_says_which_terms_were_measured_modelled_or_given():
     fw, bw, _ = _hand_traces()
-    model = memory_model(fw, bw, [], None, options=ShardOptions(resident_bytes=7, optimizer_states=2),
+    model = memory_model(program_facts(fw, bw, set()), [], options=ShardOptions(resident_bytes=7, optimizer_states=2),
                          device=DeviceMemory("cuda:0", 0, (("cuBLAS", 24),)))
     plan = _plan(model)
     lines = plan_text(plan).splitlines()
@@ -152,7 +152,7 @@ def test_the_plans_headline_names_what_the_predicted_peak_leaves_out():
     says that it leaves them out, and what Adam/AdamW would add."""
     fw, bw, _ = _hand_traces()
     device = DeviceMemory("cuda:0", 0, (("cuBLAS", 24),), (("TransformerEngine GEMM", "ImportError: gone"),))
-    plan = _plan(memory_model(fw, bw, [], None, options=ShardOptions(), device=device))
+    plan = _plan(memory_model(program_facts(fw, bw, set()), [], options=ShardOptions(), device=device))
     assert [t.name for t in plan.left_out] == ["optimizer state", "TransformerEngine GEMM workspace"]
     lines = plan_text(plan).splitlines()
     headline = next(i for i, line in enumerate(lines) if line.startswith("predicted peak per rank"))

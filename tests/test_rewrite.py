@@ -13,7 +13,8 @@ from thunder_fp8shard.planning.layout import bucket_layout
 from thunder_fp8shard.memory.model import memory_model
 from thunder_fp8shard.plan import Decision, ShardPlan
 from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward
-from thunder_fp8shard.analysis.saved import backward_saved, forward_saved, tensor_nbytes
+from thunder_fp8shard.analysis.program import program_facts
+from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
 
 WORLD = 2
 
@@ -26,13 +27,14 @@ def _plan(fw, bw, prefetch: int, together: bool, one_op: bool = False) -> ShardP
     """A plan sharding the weight copies: one bucket and one shard op a tensor; one bucket of all (``together``); or
     a bucket a tensor, all kept by one shard op (``one_op``), placed on the memory model as the planner places them."""
     copies = {p.name for p in _weight_copies(fw)}
-    candidates = [c for c in find_candidates(fw, "fp8", set()) if c.name in copies]
-    model = memory_model(fw, bw, candidates, tensor_nbytes)
+    facts = program_facts(fw, bw, set())
+    candidates = [c for c in find_candidates(facts.saved, "fp8", set()) if c.name in copies]
+    model = memory_model(facts, candidates)
     decisions = [Decision(c.name, tuple(c.proxy.shape), "float8_e4m3fn", "float8", c.payload_bytes, True, True, "", 0)
                  for c in sorted(candidates, key=lambda c: model.placements[c.name].first_use)]
     groups = [decisions] if together else [[d] for d in decisions]
     ops_of = [0] * len(groups) if one_op or together else list(range(len(groups)))
-    buckets = place(groups, ops_of, model, prefetch=prefetch, world_size=WORLD)
+    buckets = place(groups, ops_of, model, prefetch=prefetch, k=WORLD)
     return ShardPlan(world_size=WORLD, method="slice", policy="all", prefetch=prefetch, decisions=decisions,
                      saved_bytes_before=0, saved_bytes_after=0, buckets=buckets)
 
@@ -40,8 +42,9 @@ def _plan(fw, bw, prefetch: int, together: bool, one_op: bool = False) -> ShardP
 def _rewrite(fsdp_traces, prefetch, together=False, one_op=False):
     fw, bw, group = fsdp_traces
     plan = _plan(fw, bw, prefetch, together, one_op)
-    shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
-    new_fw = rewrite_forward(fw, shard_ops, group=group, world_size=WORLD, method="slice", verify=False,
+    facts = program_facts(fw, bw, set())
+    shard_ops, compactions = requests(plan, facts)
+    new_fw = rewrite_forward(facts, shard_ops, group=group, k=WORLD, method="slice", verify=False,
                              compactions=compactions, provenance="fwd test")
     new_bw, gathers = rewrite_backward(bw, new_fw, group=group, provenance="bwd test")
     return fw, bw, new_fw, new_bw, gathers
@@ -190,8 +193,9 @@ def test_a_compaction_the_plan_gives_a_shard_op_is_made_by_that_op_in_one_call(f
                    compacted=True, shard_op=first.shard_op)
     for placed, expected_compact_calls in ((c, 0), (replace(c, shard_op=None), 1)):
         p = replace(plan, compactions=[placed])
-        shard_ops, compactions = requests(p, fw, bw, {x.name: x for x in forward_saved(fw)[0]})
-        new_fw = rewrite_forward(fw, shard_ops, group=group, world_size=WORLD, method="slice", verify=False,
+        facts = program_facts(fw, bw, set())
+        shard_ops, compactions = requests(p, facts)
+        new_fw = rewrite_forward(facts, shard_ops, group=group, k=WORLD, method="slice", verify=False,
                                  compactions=compactions, provenance="fwd test")
         new_bw, _ = rewrite_backward(bw, new_fw, group=group, provenance="bwd test")
         calls = operator_calls(new_fw.trace, new_bw)

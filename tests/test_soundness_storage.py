@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from thunder_fp8shard.analysis.analyze import analyze
+from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.distributed.integrations.base import Integration
 from thunder_fp8shard.distributed.integrations.thunder_ddp import replicated_parameters
 from thunder_fp8shard.analysis.liveness import storage_of
@@ -38,7 +39,7 @@ def _decisions(setup, group_and_traces):
     inputs = replicated_parameters if setup == "ddp" else (lambda trace: frozenset())
     integration = Integration(setup, group, replicated_inputs=inputs)
     options = ShardOptions(candidates="all", min_bytes=0)
-    a = analyze(fw, bw, options, integration, None)
+    a = analyze(program_facts(fw, bw), options, integration, None)
     decisions = soundness(list(a.candidates), a.replication, set(a.model_io), options, 2, a.model, set(a.saved_names))
     return {d.name: d for d in decisions}, a
 

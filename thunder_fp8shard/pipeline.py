@@ -21,11 +21,12 @@ from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.analyze import analyze
 from thunder_fp8shard.analysis.replication import analyze_replication
-from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
+from thunder_fp8shard.analysis.program import program_facts
+from thunder_fp8shard.analysis.saved import backward_saved
 from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES, Collectives, agree, check, largest
 from thunder_fp8shard.distributed.integrations import Integration
 from thunder_fp8shard.distributed.shard_groups import ShardGroup
-from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe, program_device
+from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planning.planner import choose, make_plan
@@ -81,14 +82,14 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
     calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
     ``seams``: the device, the collectives and the two plantable choices."""
-    if len(backward_saved(bw)[0]) != len(forward_saved(fw)[0]):
+    facts = program_facts(fw, bw, te_names)  # derived once; every stage reads them
+    if len(backward_saved(bw)[0]) != len(facts.saved):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     o = options
     group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
     k = shards.size if shards is not None else 1
-    extra = (calibration_term(calibration_bytes, len(fw.bound_symbols) + len(bw.bound_symbols) - 1),) if (
-        calibration_bytes) else ()
-    analysis = analyze(fw, bw, o, setup, device, te_names, extra, replication_analysis=seams.replication_analysis)
+    extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
+    analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis)
     # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
     agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
     plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
@@ -100,10 +101,10 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows), notes=(*plan.notes, *fwd_gather.notes))
     if group is not None:
         check(plan, group, verify=o.verify, comm=seams.collectives)  # before any collective of the plan
-    shard_ops, compactions = requests(plan, fw, bw, {p.name: p for p in forward_saved(fw)[0]})
+    shard_ops, compactions = requests(plan, facts)
     n = sum(len(r.members) for op in shard_ops for r in op.buckets)
     new_fw = rewrite_forward(
-        fw, shard_ops, group=group, world_size=k, method=o.method, verify=o.verify, compactions=compactions,
+        facts, shard_ops, group=group, k=k, method=o.method, verify=o.verify, compactions=compactions,
         provenance=f"{name}: {n} saved tensors kept as 1/{k} shards of {len(plan.buckets)} "
         f"bucket(s) by {len(shard_ops)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
     )
@@ -113,7 +114,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     report = RunReport()  # written by the two checks only, at run time; they read the plan's prediction, final here
     audit = SavedAudit(plan, report, expected_storages(analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
-    calibration = Calibration(plan, report, program_device(fw), plan.budget_bytes,
+    calibration = Calibration(plan, report, facts.device, plan.budget_bytes,
                               functools.partial(largest, group=group, comm=seams.collectives), on_miss, audit,
                               peak=seams.device_probe.peak_allocated)
     new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged

@@ -61,9 +61,9 @@ def pass_gathers_on_their_own_stream() -> None:
         def wait(self):
             torch.cuda.current_stream().wait_event(self.event)
 
-    def gather_start(shard, offset, nbytes, world_size, group):
+    def gather_start(shard, offset, nbytes, k, group):
         mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
-        out = shard.new_empty(nbytes * world_size)
+        out = shard.new_empty(nbytes * k)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             group._allgather_base(out, mine, ops._ASYNC)

@@ -4,44 +4,55 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
+import os
 import platform
 import subprocess
+import sys
+
+from benchlib import ROOT
+
+
+@functools.cache
+def trained_rule():
+    """``thunder_fp8shard/testing/trained.py``'s :func:`trained` (which plans of a run trained, a step's totals) of
+    this checkout, loaded by its path: the same rule whichever revision's pass ran (``thunder_litgpt.py
+    --pythonpath`` puts another's package first on the path; the file imports nothing of the pass)."""
+    path = os.path.join(ROOT, "thunder_fp8shard", "testing", "trained.py")
+    spec = importlib.util.spec_from_file_location("_benchlib_trained", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.trained
 
 
 def plan_summary(shard) -> dict | None:
-    """What the pass did in the run: the plan of the training compilation (the one with the most decisions and
-    compactions), as plain data, with totals over the plans that trained (``None``: no pass, or no plan); a plan
-    replanned after a missed budget is left out (its program no longer runs), ``"replanned"`` counts them. Fields a
-    plan of an older version of the pass may lack (another ``"revision"``, or ``thunder_litgpt.py --pythonpath``)
-    are read with ``getattr``."""
-    if shard is None or not shard.plans:
+    """What the pass did in the run: the plan of the training compilation, as plain data, with a step's totals
+    over the plans that trained (:func:`trained_rule`; ``None``: no pass, or no plan); ``"replanned"`` counts the
+    plans replanned after a missed budget, left out. Fields a plan of an older version of the pass may lack (another
+    ``"revision"``, or ``thunder_litgpt.py --pythonpath``) are read with ``getattr``."""
+    t = trained_rule()(shard.plans, getattr(shard, "reports", None)) if shard is not None else None
+    if t is None:
         return None
-    run = {id(p): run_facts(p, r) for p, r in zip(shard.plans, getattr(shard, "reports", None) or [None] * len(
-        shard.plans))}
-    # a plan whose budget the device missed was replanned: its program was dropped, the replanned one runs instead
-    plans = [p for p in shard.plans if not (run[id(p)]["calibration"] or {}).get("budget_missed")] or shard.plans
-    plan = max(plans, key=lambda p: len(p.decisions) + len(getattr(p, "compactions", [])))
-    facts = run[id(plan)]
-    predicted = facts["predicted"]  # the plan's prediction as the run-time audit corrected it
+    plan, total, runs = t.plan, t.total, list(t.runs)
     fp8 = [d for d in plan.decisions if d.kind in ("te_float8", "float8")]
     buckets = getattr(plan, "buckets", [])
-    # under ThunderFX one plan a subgraph, and one subgraph can run for several blocks: totals are plan x runs
-    trained = [p for p in plans if p.decisions or getattr(p, "compactions", [])]
-    runs = [run[id(p)]["runs_per_step"] or 1 for p in trained]
-    total = lambda f: sum(f(p) * r for p, r in zip(trained, runs))  # noqa: E731
+    facts = run_facts(plan, t.report)
+    predicted = facts["predicted"]  # the plan's prediction as the run-time audit corrected it
     return {
         "text": facts["text"], "world_size": plan.world_size, "integration": getattr(plan, "integration", None),
         # older versions of the pass shard over the whole group
         "shard_group_size": getattr(plan, "k", plan.world_size),
         "pass_seconds": getattr(plan, "pass_seconds", None),
-        "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in plans),
+        "pass_seconds_all_entries": sum(getattr(p, "pass_seconds", 0.0) for p in t.running),
         "candidates": len(plan.decisions), "sharded": len(plan.sharded),
         "buckets": len(buckets), "shard_ops": len({getattr(b, "shard_op", b.index) for b in buckets}),
         "bucket_members": [len(b.members) for b in buckets],
         "sharded_bytes": total(lambda p: sum(d.nbytes for d in p.sharded)),
         "fp8_weight_bytes": sum(d.nbytes for d in fp8 if d.replicated),
         "fp8_sharded_bytes": sum(d.nbytes for d in fp8 if d.sharded),
-        "plans": len(trained), "runs_per_step": runs,
+        "plans": len(t.plans), "runs_per_step": runs,
         "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
         "peak_bytes_before": plan.peak_bytes_before, "peak_bytes_after": predicted.peak_bytes_after,
         "peak_step_before": peak_where(getattr(plan, "timeline_before", None)),
@@ -56,9 +67,9 @@ def plan_summary(shard) -> dict | None:
         "compacted_bytes": total(lambda p: getattr(p, "compacted_bytes_per_step", 0)),
         "compaction_freed_bytes": total(lambda p: sum(c.freed_bytes for c in getattr(p, "compacted", []))),
         "budget_bytes": getattr(plan, "budget_bytes", None), "budget_target_bytes": getattr(plan, "budget_target_bytes", None),
-        "terms": [{"name": t.name, "source": t.source, "bytes": t.nbytes} for t in getattr(predicted, "terms", [])],
+        "terms": [{"name": m.name, "source": m.source, "bytes": m.nbytes} for m in getattr(predicted, "terms", [])],
         "audit": facts["audit"], "calibration": facts["calibration"],
-        "notes": list(getattr(plan, "notes", [])), "replanned": len(shard.plans) - len(plans),
+        "notes": list(getattr(plan, "notes", [])), "replanned": t.replanned,
     }
 
 

@@ -1,3 +1,4 @@
 """Stage 1, analysis: what a compilation's forward and backward traces say before anything is agreed or chosen (the
-saved-for-backward contract, the candidates, the replication verdicts, storages and live intervals, the compaction
-options); :func:`~thunder_fp8shard.analysis.analyze.analyze` is the stage's entry point."""
+program's facts, derived once, :mod:`~thunder_fp8shard.analysis.program`; the saved-for-backward contract, the
+candidates, the replication verdicts, storages and live intervals, the compaction options);
+:func:`~thunder_fp8shard.analysis.analyze.analyze` is the stage's entry point."""

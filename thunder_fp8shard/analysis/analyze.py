@@ -1,7 +1,8 @@
 """What a compilation's traces say before anything is agreed across the ranks or chosen: the candidates (with their
 payload sizes), the memory model of the joint program (with the compaction options and the memory the step runs
 in), the replication verdicts over the setup's group, the saved tensors and the forward's inputs and outputs. One
-pure function, :func:`analyze`, over the traces, the options, the setup and what the device said while compiling.
+pure function, :func:`analyze`, over the program's facts (:mod:`thunder_fp8shard.analysis.program`), the options, the
+setup and what the device said while compiling.
 """
 
 from __future__ import annotations
@@ -10,17 +11,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from thunder.core.trace import TraceCtx
-
-from thunder_fp8shard.analysis.candidates import (
-    Candidate, find_candidates, payload_nbytes, saved_bytes_by_dtype, te_quantized_names,
-)
-from thunder_fp8shard.memory.device import program_device
+from thunder_fp8shard.analysis.candidates import Candidate, find_candidates, saved_bytes_by_dtype
+from thunder_fp8shard.analysis.program import ProgramFacts
+from thunder_fp8shard.analysis.replication import Replication, analyze_replication
 from thunder_fp8shard.memory.model import MemoryModel, gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import MemoryTerm
-from thunder_fp8shard.analysis.replication import Replication, analyze_replication
-from thunder_fp8shard.analysis.saved import forward_saved, model_io_names
 
 
 @dataclass(frozen=True)
@@ -37,23 +33,22 @@ class Analysis:
         return dataclasses.replace(self, model=dataclasses.replace(self.model, terms=tuple(terms)))
 
 
-def analyze(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup, device, te_names: set[str] | None = None,
-            extra_terms: Sequence[MemoryTerm] = (), replication_analysis=analyze_replication) -> Analysis:
-    """The analysis of the program ``fw`` + ``bw``. ``setup``: the distributed setup
-    (:class:`~thunder_fp8shard.distributed.integrations.Integration`; None: compaction alone); ``device``: the
-    :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling (None on the CPU); ``te_names``:
-    :func:`~thunder_fp8shard.analysis.candidates.te_quantized_names` of ``fw`` where the caller has them; ``extra_terms``:
-    memory terms measured at run time before (the calibration's error after a missed budget);
-    ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a test injects
-    another, see :class:`thunder_fp8shard.pipeline.Seams`)."""
-    te_names = te_quantized_names(fw) if te_names is None else te_names
-    candidates = find_candidates(fw, options.candidates, te_names) if setup is not None else []
-    model = memory_model(fw, bw, candidates, lambda p: payload_nbytes(p, te_names), options=options, device=device,
-                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, program_device(fw)))
+def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_terms: Sequence[MemoryTerm] = (),
+            replication_analysis=analyze_replication) -> Analysis:
+    """The analysis of the program ``facts`` describes (:func:`~thunder_fp8shard.analysis.program.program_facts`).
+    ``setup``: the distributed setup (:class:`~thunder_fp8shard.distributed.integrations.Integration`; None:
+    compaction alone); ``device``: the :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling
+    (None on the CPU); ``extra_terms``: memory terms measured at run time before (the calibration's error after a
+    missed budget); ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a
+    test injects another, see :class:`thunder_fp8shard.pipeline.Seams`)."""
+    candidates = find_candidates(facts.saved, options.candidates, facts.te_names) if setup is not None else []
+    model = memory_model(facts, candidates, options=options, device=device,
+                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device))
     if extra_terms:
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
     replication = None
     if setup is not None:
+        fw = facts.forward
         replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
-    return Analysis(tuple(candidates), model, replication, frozenset(p.name for p in forward_saved(fw)[0]),
-                    frozenset(model_io_names(fw)), saved_bytes_by_dtype(fw, te_names))
+    return Analysis(tuple(candidates), model, replication, facts.saved_names, facts.model_io,
+                    saved_bytes_by_dtype(facts.saved, facts.te_names))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunder.core import dtypes
@@ -9,7 +10,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.replication import TE_LINEAR_FWD, TE_SCALE_UPDATE
-from thunder_fp8shard.analysis.saved import forward_saved, numel, tensor_nbytes
+from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
 FLOAT8 = "float8"  # a tensor with a torch float8 dtype
 TE_FLOAT8 = "te_float8"  # a TransformerEngine quantized tensor; its proxy prints the high-precision dtype
@@ -29,11 +30,12 @@ class Candidate:
         return self.proxy.name
 
 
-def find_candidates(fw: TraceCtx, candidates: str, te_quantized: set[str]) -> list[Candidate]:
-    """The saved tensors of ``fw`` that are FP8 (``candidates="fp8"``) or all of them (``"all"``), each once;
-    ``te_quantized``: :func:`te_quantized_names` of ``fw``."""
+def find_candidates(saved: Sequence[TensorProxy], candidates: str, te_quantized: set[str]) -> list[Candidate]:
+    """The forward's saved tensors ``saved`` (:attr:`~thunder_fp8shard.analysis.program.ProgramFacts.saved`) that are
+    FP8 (``candidates="fp8"``) or all of them (``"all"``), each once; ``te_quantized``: :func:`te_quantized_names` of
+    the forward."""
     found: dict[str, Candidate] = {}
-    for p in forward_saved(fw)[0]:
+    for p in saved:
         if p.name in found:
             continue
         if p.name in te_quantized:
@@ -67,12 +69,12 @@ def te_quantized_names(trace: TraceCtx) -> set[str]:
     return quantized
 
 
-def saved_bytes_by_dtype(fw: TraceCtx, te_quantized: set[str]) -> dict[str, int]:
-    """The bytes of the tensors ``fw`` saves for backward (each tensor once, its payload), by dtype as Thunder
+def saved_bytes_by_dtype(saved: Sequence[TensorProxy], te_quantized: set[str]) -> dict[str, int]:
+    """The bytes of the forward's saved tensors ``saved`` (each tensor once, its payload), by dtype as Thunder
     prints it (``float32``, ``float8_e4m3fn``, ...), largest first: what a plan without candidates names."""
     by: dict[str, int] = {}
     seen: set[str] = set()
-    for p in forward_saved(fw)[0]:
+    for p in saved:
         if isinstance(p, TensorProxy) and p.name not in seen:
             seen.add(p.name)
             key = str(p.dtype).removeprefix("thunder.dtypes.")

@@ -28,7 +28,7 @@ Model (what counts, and for how long):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import networkx as nx
@@ -40,7 +40,7 @@ from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.aliasing import region_aliasing
-from thunder_fp8shard.analysis.saved import tensor_nbytes
+from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, tensor_nbytes
 
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
 VIEW_OPS = frozenset(
@@ -54,8 +54,10 @@ VIEW_OPS = frozenset(
 )  # fmt: skip
 # Ops returning their ``tokens=`` arguments unchanged (TransformerEngine's scale update)
 PASS_THROUGH_TOKENS = ("te_fp8_amax_and_scale_update",)
-_UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith("UNPACK"))
-_BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN})
+# "not a real op", one rule for the pass (liveness, replication, the forward gather's uses): bookkeeping holds no tensor
+# alive and computes nothing; unpacks (and the prologue's checks) name trace inputs, a use but no computation
+_UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith(("UNPACK", "CHECK", "ASSERT")))
+_BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT})
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,20 @@ def _tensors(xs: Iterable) -> list[Proxy]:
     return [x for x in xs if _is_tensor(x)]
 
 
-def _is_bookkeeping(bsym: BoundSymbol) -> bool:
-    """``del``, return and ``clear_mutable_collection`` hold no tensor alive by themselves."""
+def is_bookkeeping(bsym: BoundSymbol) -> bool:
+    """``del``, return, comments and ``clear_mutable_collection``: not a use of their arguments (they hold no tensor
+    alive by themselves)."""
     return bsym.sym.id in _BOOKKEEPING or bsym.sym.name == "clear_mutable_collection"
 
 
+def is_unpack(bsym: BoundSymbol) -> bool:
+    """An unpack (or a check) of the trace's inputs: its outputs are inputs, not allocations."""
+    return bsym.sym.id in _UNPACKS
+
+
 def is_compute(bsym: BoundSymbol) -> bool:
-    """False for steps that compute nothing: bookkeeping, unpacks and comments."""
-    return not (_is_bookkeeping(bsym) or bsym.sym.id in _UNPACKS or bsym.sym.id == PrimIDs.COMMENT)
+    """False for steps that compute nothing (not a real op): bookkeeping and unpacks."""
+    return not (is_bookkeeping(bsym) or is_unpack(bsym))
 
 
 def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, BoundSymbol]]:
@@ -180,9 +188,9 @@ def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
     if ret.sym.id != PrimIDs.RETURN:
         return [], []
     match ret.args:
-        case (dict() as out, (saved, _)):  # the augmented forward of thunder/transforms/autodiff.py
+        case (dict() as out, (_, _)):  # the augmented forward of thunder/transforms/autodiff.py
             outputs = tree_flatten((out.get("output"), out.get("flat_output")))[0]
-            return _tensors(outputs), _tensors(saved)
+            return _tensors(outputs), _tensors(forward_saved(fw_trace)[0])
         case _:
             return _tensors(ret.flat_proxy_args), []
 
@@ -215,7 +223,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
             tensors[p.name] = attrs
             nodes.append((p.name, attrs))
 
-    for p in _tensors(tree_flatten((fw_trace.args, fw_trace.kwargs))[0]):
+    for p in _tensors(forward_inputs(fw_trace)):
         add_tensor(p, 0)
         tensors[p.name]["held_until"] = bw_start - 1
     for i, (phase, bsym) in enumerate(joint):
@@ -224,7 +232,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
         for p in _tensors(bsym.flat_proxy_args):
             add_tensor(p, input_start)  # an input nothing produced
             edges.append((p.name, i))
-        unpack = bsym.sym.id in _UNPACKS
+        unpack = is_unpack(bsym)
         for p in _tensors(bsym.flat_proxy_outs):
             if unpack:  # a trace input under its name: a use if known, else an input
                 if p.name in tensors:
@@ -258,7 +266,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
 
 def uses(graph: nx.DiGraph, names: Iterable[str]) -> tuple[int, ...]:
     """Sorted steps that really use any of ``names`` (``del``, clears and returns excluded; unpacks included)."""
-    steps = {c for n in names for c in graph.successors(n) if not _is_bookkeeping(graph.nodes[c]["bsym"])}
+    steps = {c for n in names for c in graph.successors(n) if not is_bookkeeping(graph.nodes[c]["bsym"])}
     return tuple(sorted(steps))
 
 
@@ -320,7 +328,7 @@ def last_uses(graph: nx.DiGraph) -> dict[str, int]:
     pass over the steps."""
     nodes, last = graph.nodes, {}
     for i in graph:
-        if type(i) is int and not _is_bookkeeping(nodes[i]["bsym"]):
+        if type(i) is int and not is_bookkeeping(nodes[i]["bsym"]):
             for name in graph.pred[i]:
                 if last.get(name, -1) < i:
                     last[name] = i
@@ -351,11 +359,15 @@ def life_spans(lives: Iterable[Life]) -> Iterable[tuple[int, int, int]]:
     return ((life.start, life.end, life.nbytes) for life in lives)
 
 
+def backward_start(steps: Sequence[Step]) -> int:
+    """Index of the first backward step of ``steps`` (``len(steps)`` when there is none)."""
+    return next((s.index for s in steps if s.phase == "backward"), len(steps))
+
+
 def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
     """Bytes live at each step, summed over the lives (each live on [start, end], inclusive)."""
     live = span_bytes(life_spans(lives.values()), len(steps)).tolist()
-    backward_start = next((s.index for s in steps if s.phase == "backward"), len(steps))
-    return Timeline(tuple(steps), tuple(live), backward_start)
+    return Timeline(tuple(steps), tuple(live), backward_start(steps))
 
 
 def with_sharding(

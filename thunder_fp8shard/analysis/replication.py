@@ -18,13 +18,15 @@ from thunder.core.proxies import DistParallelType, Proxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
+from thunder_fp8shard.analysis.liveness import is_compute
+from thunder_fp8shard.analysis.saved import forward_inputs
+
 # prims whose result is not a deterministic function of their inputs
 _RANDOM_PRIMS = {PrimIDs.UNIFORM, PrimIDs.UNIFORM_PHILOX, PrimIDs.RANDINT, PrimIDs.RANDN, PrimIDs.MULTINOMIAL,
                  PrimIDs.GET_AND_UPDATE_RNG_STATE}
 _UNINITIALIZED_PRIMS = {PrimIDs.EMPTY}
 _ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, PrimIDs.EMBEDDING_BACKWARD}
 _OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
-_BOOKKEEPING = {PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT}
 
 _EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")  # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
 _ALL_GATHER = "torch_all_gather_prim_impl"
@@ -62,7 +64,7 @@ def analyze_replication(
     input_reasons = input_reasons or {}
     replicated: set[str] = set()
     per_rank: dict[str, str] = {}
-    for arg in _flat_proxies(trace.args) + _flat_proxies(list(trace.kwargs.values())):
+    for arg in forward_inputs(trace):
         if arg.name in replicated_inputs:
             replicated.add(arg.name)
         else:
@@ -75,7 +77,7 @@ def analyze_replication(
         return per_rank.get(p.name, f"`{p.name}` comes from outside the trace")
 
     for bsym in trace.bound_symbols:
-        if bsym.sym.id in _BOOKKEEPING or _is_unpack(bsym):
+        if not is_compute(bsym):  # not a real op: it makes no value
             continue
         for out, why in _verdicts(bsym, group, origin):
             if why is None:
@@ -154,10 +156,6 @@ def _input_reason(arg: Proxy) -> str:
     if getattr(arg, "distparallel_type", None) == DistParallelType.FULLY_SHARDED:
         return f"this rank's parameter shard `{arg.name}`"
     return f"the rank's input `{arg.name}`"
-
-
-def _is_unpack(bsym: BoundSymbol) -> bool:
-    return isinstance(bsym.sym.id, PrimIDs) and bsym.sym.id.name.startswith(("UNPACK", "CHECK", "ASSERT"))
 
 
 def _flat_proxies(xs) -> list[Proxy]:

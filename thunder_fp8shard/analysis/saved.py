@@ -29,11 +29,18 @@ def backward_saved(bw: TraceCtx) -> tuple[list, list]:
     return list(saved_tensors), list(saved_other)
 
 
+def forward_inputs(fw: TraceCtx) -> list[Proxy]:
+    """Every proxy among the forward's arguments (its args, then its kwargs, flattened), in order: the one rule for
+    a trace's inputs (a compilation reads them once, :attr:`thunder_fp8shard.analysis.program.ProgramFacts.args`)."""
+    flat, _ = tree_flatten((fw.args, fw.kwargs))
+    return [p for p in flat if isinstance(p, Proxy)]
+
+
 def model_io_names(fw: TraceCtx) -> set[str]:
     """Names of the forward's inputs and outputs: they are kept alive by the caller, sharding them frees nothing."""
     outputs, _ = fw.bound_symbols[-1].args
-    flat, _ = tree_flatten((fw.args, fw.kwargs, outputs))
-    return {p.name for p in flat if isinstance(p, Proxy)}
+    flat, _ = tree_flatten(outputs)
+    return {p.name for p in forward_inputs(fw)} | {p.name for p in flat if isinstance(p, Proxy)}
 
 
 def numel(p: TensorProxy) -> int:

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 from thunder.core.proxies import TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.saved import forward_inputs
 
 CUBLAS = "cuBLAS"
 TE_GEMM = "TransformerEngine GEMM"
@@ -51,7 +52,7 @@ class DeviceMemory:
 
 def program_device(trace: TraceCtx) -> str | None:
     """The CUDA device of the program's first CUDA tensor input, e.g. ``"cuda:0"``; None if it has none."""
-    for p in tree_flatten((trace.args, trace.kwargs))[0]:
+    for p in forward_inputs(trace):
         if isinstance(p, TensorProxy) and p.device.type == "cuda":
             return p.device.device_str()
     return None

@@ -15,17 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate
 from thunder_fp8shard.analysis.compaction import compaction_options
 from thunder_fp8shard.analysis.liveness import (
-    CompactedStorage, Life, ShardedStorages, Step, Timeline, is_compute, joint_graph, life_spans, program_steps,
-    span_bytes, storage_lives, storage_of, uses, with_compaction, with_sharding,
+    CompactedStorage, Life, ShardedStorages, Step, Timeline, backward_start, is_compute, life_spans, span_bytes,
+    storage_of, uses, with_compaction, with_sharding,
 )
+from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Bucket, Compaction, MemoryTerm
-from thunder_fp8shard.analysis.saved import forward_saved, model_io_names
 from thunder_fp8shard.memory.resident import step_terms, term_lives
 
 
@@ -69,8 +68,7 @@ class MemoryModel:
         """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planning.grouping.group`) are sharded
         and ``compactions`` made (``terms=False``: the program's own tensors only)."""
         live = self.live_bytes(buckets, compactions, terms=terms)
-        backward_start = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps))
-        return Timeline(self.steps, tuple(live.tolist()), backward_start)
+        return Timeline(self.steps, tuple(live.tolist()), backward_start(self.steps))
 
     def live_bytes(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
                    terms: bool = True) -> np.ndarray:
@@ -110,35 +108,33 @@ class MemoryModel:
     @property
     def backward_body_start(self) -> int:
         """First compute step of the backward: the rewrite issues the earliest gathers right before it."""
-        first_backward = next((s.index for s in self.steps if s.phase == "backward"), len(self.steps) - 1)
-        return next((i for i in range(first_backward, len(self.steps)) if self.compute[i]), len(self.steps) - 1)
+        return next((i for i in range(backward_start(self.steps), len(self.steps)) if self.compute[i]),
+                    len(self.steps) - 1)
 
 
 def memory_model(
-    fw: TraceCtx, bw: TraceCtx, candidates: list[Candidate], nbytes_of, *, options: ShardOptions | None = None,
-    device=None, gather_scratch: bool = False,
+    facts: ProgramFacts, candidates: list[Candidate], *, options: ShardOptions | None = None, device=None,
+    gather_scratch: bool = False,
 ) -> MemoryModel:
-    """Builds the joint program's storages and steps, places every candidate on them, and adds the memory the step
-    runs in (:func:`thunder_fp8shard.memory.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
+    """Takes the joint program's storages and steps (``facts``:
+    :func:`~thunder_fp8shard.analysis.program.program_facts`), places every candidate on them, and adds the memory
+    the step runs in (:func:`thunder_fp8shard.memory.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
     compiling, None on the CPU). Without ``options`` the model is the program's alone. ``gather_scratch``: the
     shard group's all-gathers hold a temporary of their output while in flight (:func:`gathers_hold_scratch`)."""
-    graph = joint_graph(fw, bw)
-    lives = storage_lives(fw, bw, nbytes_of=nbytes_of, graph=graph)
-    steps = program_steps(fw, bw)
+    graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
     life_of = storage_of(lives)
-    backward_start = graph.graph["backward_start"]
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
     placements = {}
     for c in candidates:
         life = life_of[c.name]
-        forward_uses = [u for u in uses(graph, life.members) if u < backward_start]
-        backward_uses = [u for u in uses(graph, [c.name]) if u >= backward_start and compute[u]]
+        forward_uses = [u for u in uses(graph, life.members) if u < bw_start]
+        backward_uses = [u for u in uses(graph, [c.name]) if u >= bw_start and compute[u]]
         if backward_uses:
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
-    terms = tuple(step_terms(fw, bw, lives, options, device)) if options is not None else ()
+    terms = tuple(step_terms(facts, options, device)) if options is not None else ()
     # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
-    excluded = model_io_names(fw) | {c.name for c in candidates if c.kind == TE_FLOAT8}
-    compactions = tuple(compaction_options(graph, lives, forward_saved(fw)[0], excluded))
+    excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
+    compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded))
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch)
 
 

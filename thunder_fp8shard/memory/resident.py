@@ -45,15 +45,15 @@ from typing import TYPE_CHECKING
 from thunder.core import dtypes
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.liveness import Life, forward_return, storage_of
+from thunder_fp8shard.analysis.liveness import Life, storage_of
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm
 from thunder_fp8shard.reporting.format import fmt_bytes
 from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from thunder_fp8shard.analysis.program import ProgramFacts
     from thunder_fp8shard.memory.device import DeviceMemory
     from thunder_fp8shard.options import ShardOptions
 
@@ -66,18 +66,15 @@ SDPA_BACKWARD = (
 LOSS_COPIES = 2  # the loss rule: this many copies of the forward's floating-point outputs
 
 
-def step_terms(
-    fw: TraceCtx, bw: TraceCtx, lives: Mapping[str, Life], options: ShardOptions, device: DeviceMemory | None
-) -> list[MemoryTerm]:
-    """The terms of the step besides the program (see the module's docstring), for the program ``fw`` + ``bw``
-    whose storages are ``lives``; ``device`` is what was read from the device while compiling (None on the CPU)."""
-    n_steps = len(fw.bound_symbols) + len(bw.bound_symbols)
-    bw_start, last = len(fw.bound_symbols), n_steps - 1
-    life_of = storage_of(lives)
-    inputs = [p for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)]
-    outputs = list({p.name: p for p in forward_return(fw)[0]}.values())
+def step_terms(facts: ProgramFacts, options: ShardOptions, device: DeviceMemory | None) -> list[MemoryTerm]:
+    """The terms of the step besides the program (see the module's docstring), for the program ``facts`` describes
+    (:func:`~thunder_fp8shard.analysis.program.program_facts`: its storages, steps, inputs and outputs); ``device``
+    is what was read from the device while compiling (None on the CPU)."""
+    bw_start, last = facts.backward_start, facts.last_step
+    life_of = storage_of(facts.lives)
+    inputs, outputs = list(facts.inputs), list(facts.outputs)
     input_storages = {life_of[p.name].name for p in inputs if p.name in life_of}
-    grads = _returned_gradients(bw)
+    grads = _returned_gradients(facts.backward)
     return [
         resident_at_call(inputs, device, options.resident_bytes, last),
         held_by_caller("inputs held by the caller", inputs, life_of, last,
@@ -89,7 +86,7 @@ def step_terms(
         loss(outputs, options.loss_bytes, bw_start),
         optimizer_state(grads, options.optimizer_states, last),
         persistent_workspaces(device, last),
-        kernel_workspaces(bw, bw_start),
+        kernel_workspaces(facts.backward, bw_start),
         # last: the only terms whose number can differ between ranks (a workspace one rank could not force), and
         # empty (unknown size, no steps): the agreement pads every rank's list to one length after them
         *workspaces_not_forced(device),

@@ -32,20 +32,28 @@ from thunder_fp8shard.plan import Bucket, Compaction, Decision
 HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
 
 
+def prefetched_by(j: int, prefetch: int) -> int | None:
+    """The bucket at whose first backward use bucket ``j``'s all-gather is issued: the one ``prefetch`` places
+    earlier, or None where there is none (the all-gather is issued at the start of the backward body). The one rule
+    for it: the plan's steps (:func:`place`) and the rewrite's anchors
+    (:func:`thunder_fp8shard.rewrite.traces.requests`) both follow it."""
+    return j - prefetch if j >= prefetch else None
+
+
 def place(
-    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, world_size: int
+    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
 ) -> list[Bucket]:
     """The :class:`Bucket`\\ s of a grouping: ``buckets`` lists the members of each bucket, buckets in order of first
     backward use; ``ops[j]`` is the shard op of bucket ``j`` (non-decreasing, consecutive buckets share an op).
 
     A bucket is gathered before the first backward use of any member; its all-gather is issued at the first use of
-    the bucket ``prefetch`` places earlier (or at the start of the backward). A shard op runs after the last forward
+    the bucket ``prefetch`` places earlier (or at the start of the backward body: :func:`prefetched_by`). A shard op runs after the last forward
     use of any member of its buckets; its output is their shards packed one after the other
     (:func:`~thunder_fp8shard.planning.layout.packed_offsets`), and it is held until the wait of its last bucket.
     """
     placements = model.placements
     first_uses = [placements[b[0].name].first_use for b in buckets]
-    layouts = [bucket_layout([d.nbytes for d in b], world_size) for b in buckets]
+    layouts = [bucket_layout([d.nbytes for d in b], k) for b in buckets]
     shard_at: dict[int, int] = {}
     until: dict[int, int] = {}
     members_of: dict[int, list[int]] = {}
@@ -61,7 +69,7 @@ def place(
             index=j, members=tuple(d.name for d in b), nbytes=sum(d.nbytes for d in b),
             shard_nbytes=layouts[j].shard_nbytes, gathered_nbytes=layouts[j].gathered_nbytes,
             shard_at=shard_at[ops[j]], first_use=first_uses[j],
-            gather_at=first_uses[j - prefetch] if j >= prefetch else model.backward_body_start,
+            gather_at=model.backward_body_start if (src := prefetched_by(j, prefetch)) is None else first_uses[src],
             shard_op=ops[j], shard_offset=offsets[j], shard_until=until[ops[j]],
         )
         for j, b in enumerate(buckets)
@@ -69,14 +77,14 @@ def place(
 
 
 def group(
-    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, world_size: int,
+    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
     compactions: Sequence[Compaction] = (),
 ) -> list[Bucket]:
     """Buckets and shard ops for the chosen tensors (see the module's docstring), on the model with ``compactions``
     made; ``bucket_bytes=0`` gives one tensor a bucket and one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]
-    build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, world_size=world_size)  # noqa: E731
+    build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, k=k)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
     base = model.live_bytes(compactions=compactions)  # the step with the compactions made and nothing sharded
@@ -94,9 +102,9 @@ def group(
     # shard ops: consecutive buckets whose shards one op keeps
     by_op = _grow(
         [[j] for j in range(len(merged))], lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes,
-        lambda parts: fits(build(merged, [k for k, p in enumerate(parts) for j in p for _ in j])),
+        lambda parts: fits(build(merged, [op for op, p in enumerate(parts) for j in p for _ in j])),
     )
-    return build(merged, [k for k, p in enumerate(by_op) for j in p for _ in j])
+    return build(merged, [op for op, p in enumerate(by_op) for j in p for _ in j])
 
 
 def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:

@@ -33,11 +33,11 @@ ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): 
 
 
 def soundness(
-    candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, world_size: int,
+    candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, k: int,
     model: MemoryModel, saved_names: set[str],
 ) -> list[Decision]:
     """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason.
-    ``world_size``: the ranks each tensor is sharded over (the shard group's, see
+    ``k``: the ranks each tensor is sharded over (the shard group's, see
     :mod:`thunder_fp8shard.distributed.shard_groups`); ``replication`` is over the setup's whole group."""
     decisions = []
     life_of = storage_of(model.lives)
@@ -45,7 +45,7 @@ def soundness(
         replicated = replication.is_replicated(c.name)
         life = life_of.get(c.name)
         storage = life.nbytes if life is not None else c.payload_bytes
-        shard = bucket_layout([c.payload_bytes], world_size).shard_nbytes if world_size > 0 else c.payload_bytes
+        shard = bucket_layout([c.payload_bytes], k).shard_nbytes if k > 0 else c.payload_bytes
         held = [m for m in life.members if m in model_io] if life is not None else []
         why = None
         if c.name in model_io:
@@ -55,7 +55,7 @@ def soundness(
                    "the caller keeps it alive, sharding frees nothing")
         elif not replicated:
             why = f"per-rank: {replication.reason(c.name)}"
-        elif world_size < 2:
+        elif k < 2:
             why = ONE_RANK
         elif c.payload_bytes < options.min_bytes:
             why = f"smaller than min_bytes={options.min_bytes}"
@@ -66,23 +66,23 @@ def soundness(
         elif storage <= shard:
             why = (f"a view of a {storage:,} B storage ({c.payload_bytes:,} B as its shape says): the {shard:,} B shard "
                    "sharding keeps would not be smaller than what it frees")
-        decisions.append(_decision(c, replicated, world_size, why, storage))
+        decisions.append(_decision(c, replicated, k, why, storage))
     return decisions
 
 
-def make_plan(analysis: Analysis, options: ShardOptions, world_size: int, header: ShardPlan,
+def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPlan,
               agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
     """The plan of one compilation (pure): ``analysis`` with the memory terms every rank agreed on, ``options`` with
-    the agreed budget, ``world_size`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
+    the agreed budget, ``k`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
     setup facts (a :class:`ShardPlan` with nothing decided: integration, shard group, notes), ``agreed`` what was agreed,
     ``chooser`` the choice (:func:`choose`; a test injects another, see :class:`thunder_fp8shard.pipeline.Seams`). Returns
     the plan (the choice, its predicted timelines before and after, its byte accounting) and the warnings to give."""
     model = analysis.model
     sound = []
     if analysis.replication is not None:
-        sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, world_size,
+        sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, k,
                           model, set(analysis.saved_names))
-    choice = (chooser or choose)(sound, model, options, world_size)
+    choice = (chooser or choose)(sound, model, options, k)
     buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
     before, after = model.evaluate(), model.evaluate(buckets, taken)
     program_before, program_after = model.evaluate(terms=False), model.evaluate(buckets, taken, terms=False)
@@ -136,7 +136,7 @@ class Choice:
     traffic: dict | None = None
 
 
-def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, world_size: int) -> Choice:
+def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int) -> Choice:
     """Applies the policy to the sound decisions and the model's compaction options.
 
     A tensor whose own all-gather (``prefetch`` tensors ahead) would come right after its shard is refused.
@@ -150,7 +150,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, wor
     refused: dict[str, str] = {}
     notes: list[str] = []
     warnings: list[str] = []
-    sched = dict(prefetch=options.prefetch, world_size=world_size)
+    sched = dict(prefetch=options.prefetch, k=k)
     singles = grouping.group(candidates, model, bucket_bytes=0, **sched)
     for b in singles:
         if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
@@ -394,13 +394,13 @@ def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) ->
     return sorted(m for m in life.members if m != c.name and m in saved_names)
 
 
-def _decision(c: Candidate, replicated: bool, world_size: int, refused: str | None, storage_nbytes: int) -> Decision:
+def _decision(c: Candidate, replicated: bool, k: int, refused: str | None, storage_nbytes: int) -> Decision:
     view = (f"; a view of a {storage_nbytes:,} B storage, which sharding frees" if storage_nbytes != c.payload_bytes
             else "")
     return Decision(
         name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
         kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
-        reason=refused or f"identical on every rank; rank keeps 1/{world_size}{view}",
-        shard_nbytes=bucket_layout([c.payload_bytes], world_size).shard_nbytes if refused is None else 0,
+        reason=refused or f"identical on every rank; rank keeps 1/{k}{view}",
+        shard_nbytes=bucket_layout([c.payload_bytes], k).shard_nbytes if refused is None else 0,
         storage_nbytes=storage_nbytes,
     )

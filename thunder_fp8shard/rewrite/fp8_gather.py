@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_fp8shard.analysis.liveness import is_bookkeeping
+from thunder_fp8shard.analysis.saved import forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather
 
@@ -75,11 +76,28 @@ def _outs(b: BoundSymbol) -> list:
 def _consumers(body: Sequence[BoundSymbol]) -> dict[str, list[BoundSymbol]]:
     out: dict[str, list[BoundSymbol]] = {}
     for b in body:
-        if b.sym.id in (PrimIDs.DEL, PrimIDs.RETURN):
+        if is_bookkeeping(b):  # not a use
             continue
         for p in {p.name: p for p in b.flat_proxy_args}.values():
             out.setdefault(p.name, []).append(b)
     return out
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A forward trace read once: its bound symbols without dels (which the rewrite regenerates), each one's
+    position among them, each proxy's producer, and the names of the trace's inputs."""
+
+    body: list[BoundSymbol]
+    index: dict[int, int]  # id(bound symbol) -> its position in ``body``
+    producer: dict[str, BoundSymbol]
+    inputs: frozenset[str]
+
+
+def _forward(fw: TraceCtx) -> _Forward:
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    return _Forward(body, {id(b): i for i, b in enumerate(body)}, {o.name: b for b in body for o in _outs(b)},
+                    frozenset(p.name for p in forward_inputs(fw)))
 
 
 def _returned(trace: TraceCtx) -> set[str]:
@@ -103,13 +121,11 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
                recipe_problem: str | None) -> list[Site]:
     """Every TE linear forward of ``fw`` whose weight is (through a wait, maybe a slice) a forward all-gather, with
     the first reason it cannot be gathered in FP8 (None: it can)."""
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    producer = {o.name: b for b in body for o in _outs(b)}
+    f = _forward(fw)
+    body, producer, inputs, position = f.body, f.producer, f.inputs, f.index
     uses = _consumers(body)
     returned = _returned(fw)
-    inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if isinstance(p, TensorProxy)}
     recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
-    position = {id(b): i for i, b in enumerate(body)}
     first_update, last_update = {}, {}  # each proxy (a TE state among them): its first and last scale update
     for i, b in enumerate(body):
         if _name(b).startswith(TE_SCALE_UPDATE):
@@ -270,7 +286,8 @@ def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> 
     return out
 
 
-def batches(fw: TraceCtx, sites: Sequence[Site]) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
+def batches(fw: TraceCtx, sites: Sequence[Site], forward: _Forward | None = None
+            ) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
     """Where the eligible sites' starts go, as ``(index, sites, getters)``: one ``fp8shard_weight_gather_starts``
     call per run of adjacent forward all-gathers (only other all-gathers, argument unpacks, comments and dels
     between them; Thunder's ``sort_waits`` makes one run of all the forward's), placed right after the run's last
@@ -278,11 +295,9 @@ def batches(fw: TraceCtx, sites: Sequence[Site]) -> list[tuple[int, list[Site], 
     weight quantizers that stood later in the trace (``getters``, moved up in their order: TE's recipe, state and
     quantizer getters take no tensor and their only side effect, creating a state, does not depend on when). A site
     whose quantizer comes from anything else starts alone right after the later of its all-gather and its
-    quantizer getter."""
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    index = {id(b): i for i, b in enumerate(body)}
-    producer = {o.name: b for b in body for o in _outs(b)}
-    inputs = {p.name for p in tree_flatten((fw.args, fw.kwargs))[0] if hasattr(p, "name")}
+    quantizer getter. ``forward``: ``fw`` read once (:func:`_forward`), where the caller has it."""
+    f = forward or _forward(fw)
+    body, index, producer, inputs = f.body, f.index, f.producer, f.inputs
     chosen = sorted((s for s in sites if s.why is None), key=lambda s: index[id(s.gather)])
     passable = {ALL_GATHER}
     runs: list[list[Site]] = []
@@ -323,11 +338,11 @@ def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank
     linear's outputs (the rest of the trace is unchanged). Dels are regenerated; ``fw`` is not modified."""
     from thunder.executors.passes import del_last_used
 
-    plan = batches(fw, sites)
+    f = _forward(fw)
+    plan = batches(fw, sites, f)
     if not plan:
         return fw
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    index = {id(b): i for i, b in enumerate(body)}
+    body, index = f.body, f.index
     gone = {id(b) for _, run, getters in plan for s in run for b in (s.gather, s.wait, s.slice, *getters)
             if b is not None}
     after: dict[int, list[BoundSymbol]] = {}
@@ -346,7 +361,7 @@ def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
             handles = gops.weight_gather_starts(tuple(s.shard for s in run), tuple(s.linear.args[4] for s in run),
-                                                tuple(_producer_arg0(body, s.quantizers.args[0]) for s in run), batch)
+                                                tuple(_producer_arg0(f.producer, s.quantizers.args[0]) for s in run), batch)
             new.pop_scope()
             after.setdefault(at, []).extend([*getters, *scope])
             for s, h, spec in zip(run, handles, specs):
@@ -371,12 +386,11 @@ def _implementation(linear: BoundSymbol):
     return fn
 
 
-def _producer_arg0(body: Sequence[BoundSymbol], state) -> object:
+def _producer_arg0(producer: dict[str, BoundSymbol], state) -> object:
     """The recipe proxy a TE state getter was called with."""
-    for b in body:
-        if any(o.name == state.name for o in _outs(b)):
-            return b.args[0]
-    raise ValueError(f"no producer of {state.name}")
+    if state.name not in producer:
+        raise ValueError(f"no producer of {state.name}")
+    return producer[state.name].args[0]
 
 
 def _torch_dtype(dtype):

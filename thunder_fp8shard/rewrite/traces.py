@@ -12,7 +12,6 @@ them and return new traces (the inputs are not modified) with dels regenerated a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
@@ -26,9 +25,11 @@ from thunder.core.transforms import (
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
+from thunder_fp8shard.planning.grouping import prefetched_by
 from thunder_fp8shard.runtime import ops
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.analysis.saved import backward_saved, forward_saved
+from thunder_fp8shard.analysis.program import ProgramFacts
+from thunder_fp8shard.analysis.saved import backward_saved
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,16 @@ class CompactionRequest:
     after: BoundSymbol
 
 
-def requests(plan: ShardPlan, fw: TraceCtx, bw: TraceCtx, proxy_of: Mapping[str, TensorProxy]
-             ) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
+def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
     """The plan's shard ops (their buckets, in order of first backward use) and compactions as requests anchored on
-    the bound symbols of ``fw`` and ``bw`` (the traces the plan was made on: its steps are their bound symbols, the
-    forward's then the backward's); ``proxy_of`` names the saved tensors."""
-    n_fw = len(fw.bound_symbols)
+    the bound symbols of the program ``facts`` describes (the one the plan was made on: its steps are the bound
+    symbols of the forward, then of the backward)."""
+    fw, bw, n_fw = facts.forward, facts.backward, facts.backward_start
+    proxy_of = {p.name: p for p in facts.saved}
     ops_of: dict[int, list[BucketRequest]] = {}
     after: dict[int, BoundSymbol] = {}
     for j, b in enumerate(plan.buckets):
-        start = None if j < plan.prefetch else bw.bound_symbols[b.gather_at - n_fw]  # see grouping.place
+        start = None if prefetched_by(j, plan.prefetch) is None else bw.bound_symbols[b.gather_at - n_fw]
         ops_of.setdefault(b.shard_op, []).append(BucketRequest(
             tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
             start))
@@ -109,17 +110,19 @@ class ForwardRewrite:
     sharded: tuple[ShardedBucket, ...]
     shards: tuple[TensorProxy, ...]  # one per shard op
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
-    world_size: int  # what each shard is 1/world_size of
+    k: int  # the shard group's size: what each shard is 1/k of
     compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
 
 
 def rewrite_forward(
-    fw: TraceCtx, shard_ops: list[ShardOpRequest], *, group, world_size: int, method: str, verify: bool,
+    facts: ProgramFacts, shard_ops: list[ShardOpRequest], *, group, k: int, method: str, verify: bool,
     provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
     """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
     instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
-    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views."""
+    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views (``facts``: of the
+    program the plan was made on; its forward is rewritten, not modified)."""
+    fw = facts.forward
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     position = {id(b): i for i, b in enumerate(body)}
     new = from_trace(fw)
@@ -140,7 +143,7 @@ def rewrite_forward(
             new.push_scope(scope)
             members = tuple(r.members for r in op.buckets)
             names = tuple(tuple(p.name for p in m) for m in members)
-            spec = ops.ShardSpec(group, world_size, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
+            spec = ops.ShardSpec(group, k, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
             if spec.shard_nbytes != op.shard_nbytes:
                 raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
                                  f"{spec.shard_nbytes:,} B")
@@ -155,17 +158,16 @@ def rewrite_forward(
     new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
 
     gone = {p.name for s in sharded for p in s.originals}
-    saved_tensors, saved_other = forward_saved(fw)
     saved = (
-        *(compacted[p.name][1] if p.name in compacted else p for p in saved_tensors if p.name not in gone),
+        *(compacted[p.name][1] if p.name in compacted else p for p in facts.saved if p.name not in gone),
         *shards,
-        *saved_other,
+        *facts.saved_other,
         *(s.restorer for s in sharded),
     )
     _update_forward_with_new_saved_for_backward(new, saved)
     out = del_last_used(new)
     out.set_provenance(TraceProvenance(provenance))
-    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, world_size, tuple(compacted.values()))
+    return ForwardRewrite(out, tuple(sharded), tuple(shards), saved, k, tuple(compacted.values()))
 
 
 def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance: str) -> tuple[TraceCtx, list[int]]:
@@ -179,6 +181,8 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
         len(s.originals) for s in handoff.sharded
     ):
         raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
+    # what Thunder regenerates (the saved list's unpacks, _update_backward_with_new_saved_for_backward; dels and
+    # clears, del_last_used), dropped here: a rule of the rewrite's own, not "not a real op" (liveness.is_compute)
     body = [
         b for b in bw.bound_symbols
         if b.sym.id not in (PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT,
@@ -196,7 +200,7 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
             r = s.request
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.world_size, group)
+            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.k, group)
             new.pop_scope()
             before.setdefault(0 if r.start_before is None else position[id(r.start_before)], []).extend(scope)
             wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))

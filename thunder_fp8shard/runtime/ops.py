@@ -13,15 +13,15 @@ Checks:   ``fp8shard_audit((saved tensors), audit)`` before the forward's return
           calibration)`` before the backward's (see :mod:`thunder_fp8shard.runtime.audit`): they compare the device with the
           plan at the first calls, return at once after, and are removed from the program once both are done
           (see :mod:`thunder_fp8shard.runtime.steady_state`).
-Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, world_size, group)`` (issues one bucket's
+Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, k, group)`` (issues one bucket's
           all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
           of the gathered buffer, see :mod:`thunder_fp8shard.planning.layout`). Where a wait and the next bucket's start fall
           at the same place (with ``prefetch >= 1``, at every bucket but the last), they are one call:
-          ``t1, ..., tk, next_handle = fp8shard_gather_next(handle, restorer, shard, offset, nbytes, world_size,
+          ``t1, ..., tk, next_handle = fp8shard_gather_next(handle, restorer, shard, offset, nbytes, k,
           group)`` (waits, then issues the next all-gather), so a bucket costs the backward one operator call.
 
 Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives); the gathered
-buffer is the bucket's layout padded to a multiple of the world size, so no byte is ever dropped.
+buffer is the bucket's layout padded to a multiple of ``k`` (the shard group's size), so no byte is ever dropped.
 
 The operators run tens of times a step in a training loop whose forward is CPU-bound, so a call does only what
 depends on that call's tensors: take the payloads apart, cut this rank's pieces (one view each), copy them into the
@@ -78,11 +78,11 @@ class ShardSpec:
     """One shard op's constants, made by the rewrite and baked into its bound symbol; the op keeps the
     :class:`_Program` it works out on its first call here."""
 
-    __slots__ = ("group", "world_size", "bucket_nbytes", "method", "verify", "names", "program", "copies")
+    __slots__ = ("group", "k", "bucket_nbytes", "method", "verify", "names", "program", "copies")
 
-    def __init__(self, group, world_size: int, bucket_nbytes: tuple[int, ...], method: str, verify: bool,
+    def __init__(self, group, k: int, bucket_nbytes: tuple[int, ...], method: str, verify: bool,
                  names: tuple[tuple[str, ...], ...]):
-        self.group, self.world_size, self.bucket_nbytes = group, world_size, tuple(bucket_nbytes)
+        self.group, self.k, self.bucket_nbytes = group, k, tuple(bucket_nbytes)  # k: the shard group's size
         self.method, self.verify, self.names = method, verify, names
         self.program: _Program | None = None
         self.copies = CompactCopies()  # the compact copies the op makes, where it makes any
@@ -93,7 +93,7 @@ class ShardSpec:
         return sum(self.bucket_nbytes)
 
     def __str__(self) -> str:
-        return (f"{self.shard_nbytes:,} B a rank: 1/{self.world_size} of {len(self.bucket_nbytes)} bucket(s) "
+        return (f"{self.shard_nbytes:,} B a rank: 1/{self.k} of {len(self.bucket_nbytes)} bucket(s) "
                 f"({self.method}{', verified' if self.verify else ''})")
 
 
@@ -162,7 +162,7 @@ class _Program:
 
 
 def _program(spec: ShardSpec, buckets, kinds: list, counts: list[int], buffers: list[torch.Tensor]) -> _Program:
-    world_size, rank = spec.world_size, dist.get_rank(spec.group)
+    rank = dist.get_rank(spec.group)
     prog = _Program()
     prog.kinds, prog.counts = kinds, counts
     prog.shapes, prog.dtypes = [b.shape for b in buffers], [b.dtype for b in buffers]
@@ -170,7 +170,7 @@ def _program(spec: ShardSpec, buckets, kinds: list, counts: list[int], buffers: 
     m = k = 0  # the bucket's first member and first buffer
     for objs in buckets:
         n = sum(counts[m : m + len(objs)])
-        lay = bucket_layout([b.nbytes for b in buffers[k : k + n]], world_size)
+        lay = bucket_layout([b.nbytes for b in buffers[k : k + n]], spec.k)
         layouts.append(lay)
         first_buffer.append(k)
         restores.append(_bucket_restore(lay, kinds[m : m + len(objs)], counts[m : m + len(objs)], buffers[k : k + n]))
@@ -342,13 +342,13 @@ class GatherHandle(NamedTuple):
     buffer: torch.Tensor
 
 
-def _gather_start_meta(shard, offset: int, nbytes: int, world_size: int, group):
+def _gather_start_meta(shard, offset: int, nbytes: int, k: int, group):
     return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
 
 
-def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, world_size: int, group) -> GatherHandle:
+def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, k: int, group) -> GatherHandle:
     mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
-    out = shard.new_empty(nbytes * world_size)
+    out = shard.new_empty(nbytes * k)
     # the call dist.all_gather_into_tensor(out, mine, group=group, async_op=True) makes, without its argument checks
     # (4-6 us of Python a call): plain uint8 tensors of ours, a group this rank is in, never in a coalescing manager
     return GatherHandle(group._allgather_base(out, mine, _ASYNC), out)
@@ -369,15 +369,15 @@ def _gather_wait(handle: GatherHandle, restorer: Restorer) -> tuple:
 gather_wait = _register("fp8shard_gather_wait", _gather_wait_meta, _gather_wait)
 
 
-def _gather_next_meta(handle, restorer, shard, offset: int, nbytes: int, world_size: int, group):
+def _gather_next_meta(handle, restorer, shard, offset: int, nbytes: int, k: int, group):
     raise NotImplementedError("fp8shard_gather_next is bound by the rewrite with the restored proxies and the next "
                               "handle as its outputs")
 
 
 def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
-                 world_size: int, group) -> tuple:
+                 k: int, group) -> tuple:
     """One bucket's wait and a later bucket's start, as one call: the members of the one, the handle of the other."""
-    return (*_gather_wait(handle, restorer), _gather_start(shard, offset, nbytes, world_size, group))
+    return (*_gather_wait(handle, restorer), _gather_start(shard, offset, nbytes, k, group))
 
 
 gather_next = _register("fp8shard_gather_next", _gather_next_meta, _gather_next)

@@ -7,4 +7,5 @@ imports it.
   and the exactness check (losses and gradients bit for bit).
 - :mod:`~thunder_fp8shard.testing.toy_models`: fake-FP8 models whose saved-for-backward lists hold FP8 tensors.
 - :mod:`~thunder_fp8shard.testing.measure`: what autograd really saves for backward, in bytes.
+- :mod:`~thunder_fp8shard.testing.trained`: which plans of a run trained, and a step's totals over them.
 """

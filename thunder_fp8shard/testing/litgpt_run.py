@@ -24,6 +24,7 @@ import torch
 
 from thunder_fp8shard.planning.planner import RAISES
 from thunder_fp8shard.reporting.plan_text import plan_text
+from thunder_fp8shard.testing.trained import trained
 
 
 # the GPU tests' litgpt Llama-2-7b-hf config, shrunk to keep them fast (``tests/test_te_gpu.py``,
@@ -276,23 +277,17 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     }
     if cfg.return_grads:
         out["grads"] = grads
-    if sh is not None and sh.plans:
-        # under FSDP2 one plan a subgraph, and one subgraph can serve several blocks (Dynamo reuses the graph of
-        # blocks of the same class): a step's totals are each training plan times its runs a step (counted at run time)
-        report_of = {id(p): r for p, r in zip(sh.plans, sh.reports)}
-        trained = [p for p in sh.plans if p.decisions or p.compactions]
-        runs = [report_of[id(p)].runs_per_step or 1 for p in trained]
+    if sh is not None and (t := trained(sh.plans, sh.reports)) is not None:
+        # which plans trained and a step's totals over them: testing/trained.py's rule
         out["plans"] = len(sh.plans)
-        out["runs_per_step"] = runs
-        out["sharded_total"] = sum(len(p.sharded) * r for p, r in zip(trained, runs))
-        out["compacted_total"] = sum(len(p.compacted) * r for p, r in zip(trained, runs))
+        out["runs_per_step"] = list(t.runs)
+        out["sharded_total"] = t.total(lambda p: len(p.sharded))
+        out["compacted_total"] = t.total(lambda p: len(p.compacted))
         # replicated copies policy "all" left out because sharding them would raise the predicted peak
-        out["raising_total"] = sum(sum(1 for d in p.decisions if d.replicated and not d.sharded and d.reason == RAISES)
-                                   * r for p, r in zip(trained, runs))
-        out["predicted_saving_total"] = sum((p.saved_bytes_before - p.saved_bytes_after) * r
-                                            for p, r in zip(trained, runs))
-        plan = max(trained, key=lambda p: len(p.decisions) + len(p.compactions)) if trained else sh.plans[-1]
-        report = report_of[id(plan)]
+        out["raising_total"] = t.total(lambda p: sum(1 for d in p.decisions
+                                                     if d.replicated and not d.sharded and d.reason == RAISES))
+        out["predicted_saving_total"] = t.total(lambda p: p.saved_bytes_before - p.saved_bytes_after)
+        plan, report = t.plan, t.report
         run_plan = report.corrected(plan)  # the prediction as the run-time audit corrected it
         out["plan"] = {
             "text": plan_text(plan, report), "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,

@@ -234,7 +234,7 @@ def _reasons(trace, inputs: dict[str, _Input], owned: dict, roots: set[str]) -> 
 
 def _trace_tensor_inputs(trace):
     from thunder.core.proxies import TensorProxy
-    from thunder.core.pytree import tree_flatten
 
-    flat, _ = tree_flatten((trace.args, trace.kwargs))
-    return [p for p in flat if isinstance(p, TensorProxy)]
+    from thunder_fp8shard.analysis.saved import forward_inputs
+
+    return [p for p in forward_inputs(trace) if isinstance(p, TensorProxy)]

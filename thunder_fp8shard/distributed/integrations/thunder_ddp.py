@@ -7,15 +7,14 @@ broadcast_from=None)`` identical starting weights are the caller's promise, whic
 from __future__ import annotations
 
 from thunder.core.proxies import DistParallelType, TensorProxy
-from thunder.core.pytree import tree_flatten
 
+from thunder_fp8shard.analysis.saved import forward_inputs
 from thunder_fp8shard.distributed.integrations.base import Integration, group_of
 
 
 def replicated_parameters(trace) -> frozenset[str]:
-    flat, _ = tree_flatten((trace.args, trace.kwargs))
     return frozenset(
-        p.name for p in flat
+        p.name for p in forward_inputs(trace)
         if isinstance(p, TensorProxy) and getattr(p, "distparallel_type", None) == DistParallelType.REPLICATED
     )
 

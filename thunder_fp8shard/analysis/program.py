@@ -1,0 +1,73 @@
+"""The facts of one compiled program that the stages read: derived once, from the forward and backward traces, by
+:func:`program_facts` (pure), which :func:`thunder_fp8shard.pipeline.compile_plan` calls once and hands to every
+stage (the analysis, the memory model and its terms, the rewrite). Each fact has one rule: the saved tensors
+(:func:`~thunder_fp8shard.analysis.saved.forward_saved`), the forward's inputs and outputs, the backward's start
+(the first backward step of the joint timeline), the last step, the joint program's graph, steps and storage lives
+(:mod:`thunder_fp8shard.analysis.liveness`, TransformerEngine's quantized tensors counted at their payload), and the
+device it runs on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+
+import networkx as nx
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.candidates import payload_nbytes, te_quantized_names
+from thunder_fp8shard.analysis.liveness import Life, Step, forward_return, joint_graph, program_steps, storage_lives
+from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, model_io_names
+from thunder_fp8shard.memory.device import program_device
+
+
+@dataclass(frozen=True)
+class ProgramFacts:
+    """What the joint forward + backward program is, before anything is decided; plain data, never modified."""
+
+    forward: TraceCtx
+    backward: TraceCtx
+    saved: tuple[TensorProxy, ...]  # the forward's saved tensors, in order (a name may repeat)
+    saved_other: tuple  # the forward's saved non-tensor values, in order
+    args: tuple[Proxy, ...]  # every proxy among the forward's arguments (args then kwargs, flattened), in order
+    outputs: tuple[Proxy, ...]  # the forward's output and flat_output tensors, each once
+    model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
+    te_names: frozenset[str]  # TransformerEngine quantized tensors (their proxies print the high-precision dtype)
+    backward_start: int  # the first backward step of the joint timeline (the forward's bound symbols before it)
+    steps: tuple[Step, ...]  # one a bound symbol: the forward's, then the backward's
+    graph: nx.DiGraph  # liveness.joint_graph of the two traces
+    lives: dict[str, Life]  # the program's storages, TE quantized tensors at their payload (1 B an element)
+    device: str | None  # the CUDA device of the forward's inputs (memory.device.program_device); None: the CPU
+
+    @property
+    def last_step(self) -> int:
+        """The joint timeline's last step (the backward's return)."""
+        return len(self.steps) - 1
+
+    @property
+    def inputs(self) -> tuple[TensorProxy, ...]:
+        """The forward's tensor inputs (parameters, the batch), in order."""
+        return tuple(p for p in self.args if isinstance(p, TensorProxy))
+
+    @property
+    def saved_names(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.saved)
+
+    def nbytes(self, p: TensorProxy) -> int:
+        """What ``p`` really occupies (:func:`~thunder_fp8shard.analysis.candidates.payload_nbytes`)."""
+        return payload_nbytes(p, self.te_names)
+
+
+def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) -> ProgramFacts:
+    """The facts of the program ``fw`` + ``bw`` (Thunder's augmented forward and its backward). ``te_names``: the
+    forward's TransformerEngine quantized tensors where the caller read them while compiling (default:
+    :func:`~thunder_fp8shard.analysis.candidates.te_quantized_names` of ``fw``)."""
+    te = frozenset(te_quantized_names(fw) if te_names is None else te_names)
+    saved, saved_other = forward_saved(fw)
+    graph = joint_graph(fw, bw)
+    args = tuple(forward_inputs(fw))
+    outputs = tuple({p.name: p for p in forward_return(fw)[0]}.values())
+    lives = storage_lives(fw, bw, nbytes_of=lambda p: payload_nbytes(p, te), graph=graph)
+    return ProgramFacts(fw, bw, tuple(saved), tuple(saved_other), args, outputs, frozenset(model_io_names(fw)), te,
+                        graph.graph["backward_start"], program_steps(fw, bw), graph, lives, program_device(fw))
