@@ -191,7 +191,9 @@ case "${1:-}" in
       s5) export GPU_TEST_WORKERS=6; launch gpu_tests bf16_32_again; echo 2 > "$R/logs/expected" ;;
       s6) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 ckpt_accuracy_8 fp8_32_fwd; echo 6 > "$R/logs/expected" ;;
       s7) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_fp8_32 ckpt_bf16_32; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7"; exit 2 ;;
+      # 2026-12-03: the GPU modules on the merged plan/run report and program facts (issue #34 item 6)
+      s8) export GPU_TEST_WORKERS=6; launch gpu_tests models_8; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8"; exit 2 ;;
     esac
     echo started ;;
   collect)
