@@ -1,5 +1,9 @@
 # A fresh machine needs only: `make demo` (set up, run the README's quick start and the demo) and `make test` (set up, run the tests).
-PYTHON ?= python3
+# The interpreter the environment is made with: the system's CPython where there is one (Debian's is built with PGO
+# and LTO; a pyenv build without --enable-optimizations traces Thunder programs 12-20% slower, docs/testing.md),
+# else python3 on the PATH; one that cannot make a venv (no ensurepip) is passed over. `make test PYTHON=...` picks another.
+PYTHON ?= $(shell for p in /usr/bin/python3.12 /usr/bin/python3.11 /usr/bin/python3.10; do \
+	$$p -c "import ensurepip, venv" 2>/dev/null && echo $$p && exit; done; echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
