@@ -175,11 +175,15 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-launch() {  # job names (the functions above): each in the background, every busy file made first
+launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
+  # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
+  # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
   local job
+  rm -rf "$R/tree" && mkdir -p "$R/tree"
+  tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "$(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
