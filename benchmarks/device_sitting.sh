@@ -162,6 +162,11 @@ ckpt_bf16_32() {  # s7: the same in bf16
     $FLAGS --n_layers=32 --checkpoint_activations=True
 }
 
+fp8_32_memory() {  # s9: the default's predicted and measured peaks at 32 layers, FP8, with and without the forward gather
+  memory_arms fp8_l32_n8_memory '{"without": null, "default": {"optimizer_states": 2},
+    "bf16gather": {"optimizer_states": 2, "fp8_forward_gather": false}}' $FLAGS $FP8 --n_layers=32
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -170,11 +175,15 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-launch() {  # job names (the functions above): each in the background, every busy file made first
+launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
+  # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
+  # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
   local job
+  rm -rf "$R/tree" && mkdir -p "$R/tree"
+  tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "$(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -193,7 +202,10 @@ case "${1:-}" in
       s7) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_fp8_32 ckpt_bf16_32; echo 3 > "$R/logs/expected" ;;
       # 2026-12-03: the GPU modules on the merged plan/run report and program facts (issue #34 item 6)
       s8) export GPU_TEST_WORKERS=6; launch gpu_tests models_8; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8"; exit 2 ;;
+      # the memory model counting the FP8 forward gathers' 1 B/element buffers: the GPU modules and the headline's
+      # memory (32 layers, FP8: the default's prediction against the device, a few iterations, not timed alone)
+      s9) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 fp8_32_memory; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9"; exit 2 ;;
     esac
     echo started ;;
   collect)

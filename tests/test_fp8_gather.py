@@ -321,6 +321,45 @@ def test_plan_rows_bytes_and_text():
     assert "2 TE linear weight(s) all-gathered in FP8" in str(new.get_provenance())
 
 
+def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
+    """Each weight gathered in FP8 holds, from its all-gather to its linear, the uint8 gathered rows and this rank's
+    cast rows (1 B an element) where the trace prints the bf16 gather: the model counts that in every evaluation but
+    the program as Thunder made it (the run without the pass); a weight left in bf16 keeps its size."""
+    from thunder.core import prims
+    from thunder.core.trace import TraceCtx, tracectx
+
+    from thunder_fp8shard.analysis.program import program_facts
+    from thunder_fp8shard.memory.model import memory_model
+
+    class DelayedScaling:
+        reduce_amax = True
+
+    n = 2
+    trace, _ = forward([(64, 32), (48, 64), (39, 16)], n=n)  # the third padded: 2 x 20 rows gathered, 39 kept
+    fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
+                         recipe=DelayedScaling(), default_world_size=n, rank=0)
+    sizes = fg.buffer_nbytes()
+    rows = [32, 24, 20]
+    assert {k: v for k, v in sizes.items() if k.startswith("w_full")} == {
+        "w_full0": rows[0] * n * 32 + rows[0] * 32, "w_full1": rows[1] * n * 64 + rows[1] * 64,
+        "w_full2": rows[2] * n * 16 + rows[2] * 16}
+    bw = TraceCtx()
+    with tracectx(bw):
+        prims.python_return(None)
+    facts = program_facts(trace, bw, set())
+    model = memory_model(facts, [], resized=sizes)
+    bf16 = {name: facts.lives[name].nbytes for name in ("w_full0", "w_full1", "w_full2")}
+    assert bf16 == {"w_full0": 64 * 32 * 2, "w_full1": 48 * 64 * 2, "w_full2": 40 * 16 * 2}
+    life = facts.lives["w_full1"]
+    change = model.live_bytes() - model.live_bytes(rewritten=False)
+    assert change[life.start] <= sizes["w_full1"] - bf16["w_full1"] < 0
+    assert (change <= 0).all() and change[-1] == 0
+    assert model.evaluate().peak_bytes < model.evaluate(rewritten=False).peak_bytes
+    # a weight left in bf16 (here every one: the option off) keeps its size
+    off = fp8_gather.plan(trace, None, enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n)
+    assert off.buffer_nbytes() == {} and memory_model(facts, [], resized={}).rewritten == ()
+
+
 def test_simulated_n8_llama_shapes_forward_gather_bytes():
     """The plan's bytes at N=8 for one Llama-2-7b layer's TE weights (qkv, proj, fc_1, fc_2, mlp proj): received
     bytes halve, the cast falls to 1/8."""

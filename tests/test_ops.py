@@ -69,6 +69,18 @@ def test_members_come_back_as_aligned_views_of_one_buffer(single_rank_group):
     assert all((t.data_ptr() - base) % 256 == 0 for t in (ra, rb, holder.data))
 
 
+def test_a_0_dim_member_beside_members_of_other_dtypes_round_trips(single_rank_group):
+    """A scalar (a per-tensor scale, saved under ``candidates="all", min_bytes=0``) in a bucket whose members have
+    several dtypes: the shard op copies its bytes as ``uint8`` like the others' (a 0-dim tensor has no dimension to
+    view as bytes), and it comes back a 0-dim tensor with its value."""
+    scale = torch.tensor(0.125)
+    objs = [torch.arange(12, dtype=torch.float32).to(torch.float8_e4m3fn), scale,
+            torch.arange(6, dtype=torch.float32).reshape(2, 3)]
+    _, out = _round_trip(single_rank_group, objs)
+    assert out[1].shape == () and out[1].dtype == torch.float32 and out[1].item() == 0.125
+    assert torch.equal(out[0].view(torch.uint8), objs[0].view(torch.uint8)) and torch.equal(out[2], objs[2])
+
+
 def test_the_restorer_keeps_nothing_alive_after_the_wait(single_rank_group):
     """Thunder's autograd context keeps the saved non-tensors (the restorers) until the whole backward is done: a
     restorer still holding a restored object would keep every gathered buffer alive that long."""

@@ -592,7 +592,7 @@ def test_fp8_forward_all_gather_refused_without_reduce_amax():
 def test_fp8_forward_all_gather_simulated_n8():
     """Rank 0 of 8 under torch's fake process group (values meaningless): every TE weight is gathered in FP8, the
     plan's forward-gather bytes are Σ numel·(N−1)/N in uint8 against twice that in bf16, and the run completes. The
-    peaks with and without are reported, not asserted (the memory model still counts these gathers in bf16)."""
+    peaks with and without are reported, not asserted."""
     cfg = dict(SMALL, return_grads=False, steps=2)
     without = run_simulated(bench.run_rank, 8, bench.RunConfig(**cfg, shard=True, extra={"fp8_forward_gather": False}))
     with_ = run_simulated(bench.run_rank, 8, bench.RunConfig(**cfg, shard=True, extra={"fp8_forward_gather": True}))

@@ -82,22 +82,25 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
     calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
     ``seams``: the device, the collectives and the two plantable choices."""
+    o = options
+    # which TE weights the forward all-gathers in FP8: decided on the traces alone, before the memory model, which
+    # counts their gathered buffers at the bytes the rewrite makes them
+    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
+                                 group=setup and setup.group, world_size=setup.world_size if setup else 1)
     facts = program_facts(fw, bw, te_names)  # derived once; every stage reads them
     if len(backward_saved(bw)[0]) != len(facts.saved):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
-    o = options
     group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
     k = shards.size if shards is not None else 1
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
-    analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis)
+    analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis,
+                       resized=fwd_gather.buffer_nbytes())
     # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
     agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
     plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
                             k, plan_header(o, setup, shards), agreed.values, chooser=seams.chooser)
     for warning in warns:
         warnings.warn(f"{name}: {warning}", stacklevel=3)
-    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
-                                 group=setup and setup.group, world_size=setup.world_size if setup else 1)
     plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows), notes=(*plan.notes, *fwd_gather.notes))
     if group is not None:
         check(plan, group, verify=o.verify, comm=seams.collectives)  # before any collective of the plan

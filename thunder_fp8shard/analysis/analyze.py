@@ -8,7 +8,7 @@ setup and what the device said while compiling.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from thunder_fp8shard.analysis.candidates import Candidate, find_candidates, saved_bytes_by_dtype
@@ -34,16 +34,18 @@ class Analysis:
 
 
 def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_terms: Sequence[MemoryTerm] = (),
-            replication_analysis=analyze_replication) -> Analysis:
+            replication_analysis=analyze_replication, resized: Mapping[str, int] | None = None) -> Analysis:
     """The analysis of the program ``facts`` describes (:func:`~thunder_fp8shard.analysis.program.program_facts`).
     ``setup``: the distributed setup (:class:`~thunder_fp8shard.distributed.integrations.Integration`; None:
     compaction alone); ``device``: the :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling
     (None on the CPU); ``extra_terms``: memory terms measured at run time before (the calibration's error after a
     missed budget); ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a
-    test injects another, see :class:`thunder_fp8shard.pipeline.Seams`)."""
+    test injects another, see :class:`thunder_fp8shard.pipeline.Seams`); ``resized``: storages the pass's forward
+    rewrite makes another size (:func:`~thunder_fp8shard.memory.model.memory_model`)."""
     candidates = find_candidates(facts.saved, options.candidates, facts.te_names) if setup is not None else []
     model = memory_model(facts, candidates, options=options, device=device,
-                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device))
+                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device),
+                         resized=resized)
     if extra_terms:
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
     replication = None

@@ -11,7 +11,7 @@ device bytes). Nothing here rewrites a trace.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +51,10 @@ class MemoryModel:
     # the shard group's all-gather holds a temporary of its whole output while in flight (gloo on the CPU: measured,
     # tests/test_property.py); counted from each gather's issue to its wait
     gather_scratch: bool = False
+    # what the pass's forward rewrite changes in the program's own storages whatever is sharded, as ``(first step,
+    # last step, bytes)`` spans: each weight all-gathered in FP8 holds its 1 B/element buffers where Thunder's trace
+    # holds the bf16 gather (negative bytes); counted in every evaluation but the program as Thunder made it
+    rewritten: tuple[tuple[int, int, int], ...] = ()
 
     def compute_steps_between(self, first: int, last: int) -> int:
         """Compute steps strictly between two steps."""
@@ -64,17 +68,20 @@ class MemoryModel:
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
     def evaluate(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
-                 terms: bool = True) -> Timeline:
+                 terms: bool = True, rewritten: bool = True) -> Timeline:
         """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planning.grouping.group`) are sharded
-        and ``compactions`` made (``terms=False``: the program's own tensors only)."""
-        live = self.live_bytes(buckets, compactions, terms=terms)
+        and ``compactions`` made (``terms=False``: the program's own tensors only; ``rewritten=False``: the program as
+        Thunder made it, without the pass's forward rewrite: the run without the pass)."""
+        live = self.live_bytes(buckets, compactions, terms=terms, rewritten=rewritten)
         return Timeline(self.steps, tuple(live.tolist()), backward_start(self.steps))
 
     def live_bytes(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
-                   terms: bool = True) -> np.ndarray:
+                   terms: bool = True, rewritten: bool = True) -> np.ndarray:
         """Bytes live at each step when ``buckets`` are sharded and ``compactions`` made (``terms``: with the memory
-        the step runs in besides the program)."""
+        the step runs in besides the program; ``rewritten``: with what the pass's forward rewrite changes)."""
         live = self._program_bytes + self.change(buckets, compactions)
+        if rewritten and self.rewritten:
+            live = live + span_bytes(self.rewritten, len(self.steps))
         return live + self._term_bytes if terms else live
 
     def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
@@ -114,13 +121,15 @@ class MemoryModel:
 
 def memory_model(
     facts: ProgramFacts, candidates: list[Candidate], *, options: ShardOptions | None = None, device=None,
-    gather_scratch: bool = False,
+    gather_scratch: bool = False, resized: Mapping[str, int] | None = None,
 ) -> MemoryModel:
     """Takes the joint program's storages and steps (``facts``:
     :func:`~thunder_fp8shard.analysis.program.program_facts`), places every candidate on them, and adds the memory
     the step runs in (:func:`thunder_fp8shard.memory.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
     compiling, None on the CPU). Without ``options`` the model is the program's alone. ``gather_scratch``: the
-    shard group's all-gathers hold a temporary of their output while in flight (:func:`gathers_hold_scratch`)."""
+    shard group's all-gathers hold a temporary of their output while in flight (:func:`gathers_hold_scratch`).
+    ``resized``: storages the pass's forward rewrite makes another size, by the name of a proxy of theirs (the
+    weights all-gathered in FP8: :meth:`~thunder_fp8shard.rewrite.fp8_gather.ForwardGatherPlan.buffer_nbytes`)."""
     graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
     life_of = storage_of(lives)
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
@@ -135,7 +144,18 @@ def memory_model(
     # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
     excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
     compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded))
-    return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch)
+    rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
+    return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
+
+
+def _resized_lives(lives: Mapping[str, Life], resized: Mapping[str, int]) -> list[tuple[Life, int]]:
+    """Each storage one of whose proxies ``resized`` names, with its new size."""
+    out = []
+    for life in lives.values():
+        size = next((resized[m] for m in life.members if m in resized), None)
+        if size is not None:
+            out.append((life, size))
+    return out
 
 
 def gathers_hold_scratch(group, device: str | None) -> bool:

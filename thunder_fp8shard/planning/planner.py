@@ -84,8 +84,10 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
                           model, set(analysis.saved_names))
     choice = (chooser or choose)(sound, model, options, k)
     buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
-    before, after = model.evaluate(), model.evaluate(buckets, taken)
-    program_before, program_after = model.evaluate(terms=False), model.evaluate(buckets, taken, terms=False)
+    # before: the run without the pass (nor its forward rewrite); after: the program as the pass runs it
+    before, after = model.evaluate(rewritten=False), model.evaluate(buckets, taken)
+    program_before = model.evaluate(terms=False, rewritten=False)
+    program_after = model.evaluate(buckets, taken, terms=False)
     life_of = storage_of(model.lives)
     saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in analysis.saved_names}.values())
     saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)

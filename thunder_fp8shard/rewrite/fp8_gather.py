@@ -431,6 +431,21 @@ class ForwardGatherPlan:
         weight gathered in FP8)."""
         return sum(_calls_replaced(s) for s in self.sites if s.why is None)
 
+    def buffer_nbytes(self) -> dict[str, int]:
+        """What each weight gathered in FP8 holds from its all-gather to its linear, by the names of its gathered
+        buffer's proxies (the all-gather's output and the wait's, one storage): the uint8 gathered rows and this
+        rank's cast rows that the handle keeps until the wait, 1 B an element, where the trace's proxies print the
+        bf16 buffer. The memory model counts these storages at these sizes (:func:`~thunder_fp8shard.analysis.
+        program.program_facts`)."""
+        sizes = {}
+        for s in self.sites:
+            if s.why is None:
+                rows, cols = int(s.shard.shape[0]), int(s.shard.shape[1])
+                nbytes = rows * self.world_size * cols + rows * cols
+                for p in (*_outs(s.gather), *_outs(s.wait)):
+                    sizes[p.name] = nbytes
+        return sizes
+
     def apply(self, fw: TraceCtx, provenance: str = "ShardIntermediates: fp8_forward_gather") -> TraceCtx:
         n = sum(s.why is None for s in self.sites)
         return rewrite(fw, self.sites, group=self.group, world_size=self.world_size, rank=self.rank,
@@ -455,11 +470,4 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
     sites = tuple(find_sites(fw, bw, group=group, world_size=world_size, default_world_size=default_world_size,
                              recipe_problem=gops.exact_recipe(recipe)))
     rows = tuple(decisions(sites, world_size))
-    if not sites:  # no TE linear weight is all-gathered in the forward: nothing to say (the option is on by default)
-        notes = ()
-    elif any(s.why is None for s in sites):
-        notes = ("fp8_forward_gather: the memory model still counts the FP8-gathered weights' forward all-gathers in "
-                 "bf16 (an over-estimate of their 1 B/element buffers)",)
-    else:
-        notes = ()
-    return ForwardGatherPlan(sites, rows, notes, group, world_size, rank)
+    return ForwardGatherPlan(sites, rows, (), group, world_size, rank)

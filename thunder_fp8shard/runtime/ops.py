@@ -269,7 +269,7 @@ def _slice(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torc
         if not b.is_contiguous():
             b = b.contiguous()
         if retype:
-            b = b.view(_UINT8)
+            b = (b.view(-1) if b.dim() == 0 else b).view(_UINT8)  # a 0-dim tensor (a scale) has no dim to retype
         pieces.append(b.as_strided((n,), (1,), b.storage_offset() + start))
     if prog.tiled:
         shard = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
