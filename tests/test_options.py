@@ -31,6 +31,7 @@ from thunder_fp8shard import CompactSavedViews, ShardIntermediates, ShardOptions
         ({"comm": "nccl"}, ValueError, r"comm must be one of \('shared', 'dedicated'\), got 'nccl'"),
         ({"group": "world"}, TypeError, r"group must be a torch.distributed.ProcessGroup .*got str"),
         ({"fp8_forward_gather": 1}, TypeError, r"fp8_forward_gather must be a bool, got 1"),
+        ({"reschedule": 1}, TypeError, r"reschedule must be a bool, got 1"),
     ],
 )
 def test_invalid_options_fail_at_construction(options, error, message):
@@ -63,7 +64,7 @@ def test_the_readme_shows_the_signature_and_every_option():
 def test_every_option_reaches_shard_options(single_rank_group):
     given = dict(candidates="all", min_bytes=7, compact="off", method="reduce_scatter", verify=True, policy="budget", budget_bytes=10,
                  prefetch=3, bucket_bytes=5, comm="dedicated", resident_bytes=11, optimizer_states=2, loss_bytes=13,
-                 group=single_rank_group, shard_group_size=1, fp8_forward_gather=False)
+                 group=single_rank_group, shard_group_size=1, fp8_forward_gather=False, reschedule=True)
     assert sorted(given) == sorted(f.name for f in dataclasses.fields(ShardOptions))
     assert all(v != f.default for f in dataclasses.fields(ShardOptions) for v in [given[f.name]])
     assert ShardIntermediates(**given).options == ShardOptions(**given)
@@ -72,7 +73,7 @@ def test_every_option_reaches_shard_options(single_rank_group):
 
 def test_unknown_options_and_positional_arguments_raise_type_errors():
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['bucket', 'candidate'\]; the options are \['candidates', "
-                                        r"'min_bytes', .*'shard_group_size', 'fp8_forward_gather'\]"):
+                                        r"'min_bytes', .*'shard_group_size', 'fp8_forward_gather', 'reschedule'\]"):
         ShardIntermediates(candidate="fp8", bucket=1, prefetch=0)
     with pytest.raises(TypeError, match="positional argument"):
         ShardIntermediates("fp8")

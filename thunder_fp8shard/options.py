@@ -37,6 +37,9 @@ class ShardOptions:
     group: the process group, for a compilation whose setup names none.
     fp8_forward_gather: under Thunder FSDP with TE's DelayedScaling, all-gather each TE linear weight as this rank's
         FP8 rows (uint8) instead of bf16, bitwise identical (:mod:`thunder_fp8shard.rewrite.fp8_gather`).
+    reschedule: where the memory model predicts a lower peak (activation checkpointing), move Thunder FSDP's
+        forward all-gathers to a few ahead of their use and each gradient's reduce-scatter to right after the
+        gradient (:mod:`thunder_fp8shard.rewrite.collective_schedule`); False: Thunder's order always.
 
     The memory terms (``resident_bytes``, ``optimizer_states``, ``loss_bytes``, and what each rank measures) may
     differ between ranks: every rank plans with each one's largest (:mod:`thunder_fp8shard.distributed.agreement`).
@@ -59,6 +62,7 @@ class ShardOptions:
     group: object = None
     shard_group_size: int | None = None
     fp8_forward_gather: bool = True
+    reschedule: bool = False
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)
@@ -82,6 +86,8 @@ class ShardOptions:
                 )
         if self.shard_group_size is not None:
             _shard_group_size(self.shard_group_size)
+        if not isinstance(self.reschedule, bool):
+            raise TypeError(f"ShardIntermediates: reschedule must be a bool, got {self.reschedule!r}")
         if not isinstance(self.fp8_forward_gather, bool):
             raise TypeError(f"ShardIntermediates: fp8_forward_gather must be a bool, got {self.fp8_forward_gather!r}")
         if not isinstance(self.verify, bool):

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.analyze import analyze
+from thunder_fp8shard.analysis.analyze import Analysis, analyze
 from thunder_fp8shard.analysis.replication import analyze_replication
-from thunder_fp8shard.analysis.program import program_facts
+from thunder_fp8shard.analysis.program import ProgramFacts, program_facts
 from thunder_fp8shard.analysis.saved import backward_saved
 from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES, Collectives, agree, check, largest
 from thunder_fp8shard.distributed.integrations import Integration
@@ -29,8 +29,9 @@ from thunder_fp8shard.distributed.shard_groups import ShardGroup
 from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.reporting.format import fmt_bytes
 from thunder_fp8shard.planning.planner import choose, make_plan
-from thunder_fp8shard.rewrite import fp8_gather
+from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
 from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
 from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, calibration_term, expected_storages
 from thunder_fp8shard.runtime.run_report import RunReport
@@ -61,6 +62,67 @@ class Compiled:
     calibration: Calibration  # the backward's check; the caller sets ``on_done`` (it drops the checks from Thunder's cache)
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """One program's plan, before any collective of the plan: the forward and backward, their facts, the FP8
+    forward-gather decisions, the analysis with the agreed terms, the plan and the planner's warnings."""
+
+    forward: TraceCtx
+    backward: TraceCtx
+    facts: ProgramFacts
+    fwd_gather: fp8_gather.ForwardGatherPlan
+    analysis: Analysis
+    plan: ShardPlan
+    warnings: tuple[str, ...]
+
+
+def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,
+             calibration_bytes, name: str, seams: Seams) -> _Planned:
+    """Analyzes the program ``fw`` + ``bw``, agrees its inputs over the shard group and plans it (pure but for the
+    agreement's collectives, which every rank runs alike)."""
+    o = options
+    group = shards.group if shards is not None else None
+    k = shards.size if shards is not None else 1
+    # which TE weights the forward all-gathers in FP8: decided on the traces alone, before the memory model, which
+    # counts their gathered buffers at the bytes the rewrite makes them
+    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
+                                 group=setup and setup.group, world_size=setup.world_size if setup else 1)
+    facts = program_facts(fw, bw, te_names)  # derived once; every stage reads them
+    if len(backward_saved(bw)[0]) != len(facts.saved):
+        raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
+    extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
+    analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis,
+                       resized=fwd_gather.buffer_nbytes())
+    # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
+    agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
+    analysis = analysis.with_terms(agreed.terms)
+    plan, warns = make_plan(analysis, dataclasses.replace(o, budget_bytes=agreed.budget_bytes), k,
+                            plan_header(o, setup, shards), agreed.values, chooser=seams.chooser)
+    return _Planned(fw, bw, facts, fwd_gather, analysis, plan, tuple(warns))
+
+
+def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned | None:
+    """The plan of the program with Thunder FSDP's collectives rescheduled
+    (:mod:`thunder_fp8shard.rewrite.collective_schedule`: the forward's all-gathers issued a few ahead of their use,
+    each gradient's reduce-scatter right after the gradient), if the memory model predicts it a lower peak; its
+    "before" stays the run without the pass (Thunder's order). None: Thunder's order is kept. The choice depends
+    only on the agreed plans: every rank makes the same."""
+    fw = collective_schedule.schedule_forward(first.forward)
+    bw = collective_schedule.schedule_backward(first.backward)
+    if fw is None and bw is None:
+        return None
+    second = planned(fw or first.forward, bw=bw or first.backward)
+    plan = first.plan
+    if second.plan.peak_bytes_after >= plan.peak_bytes_after:
+        return None
+    moved = " and ".join(w for w, t in (("the forward's all-gathers", fw), ("the gradients' reduce-scatters", bw)) if t)
+    note = (f"reschedule: {moved} moved where they hold less memory (Thunder FSDP's order keeps every gathered "
+            f"weight, or every unsharded gradient, alive at once): predicted peak {fmt_bytes(plan.peak_bytes_after)} "
+            f"-> {fmt_bytes(second.plan.peak_bytes_after)}")
+    return dataclasses.replace(second, plan=dataclasses.replace(
+        second.plan, peak_bytes_before=plan.peak_bytes_before, timeline_before=plan.timeline_before,
+        program_peak_bytes_before=plan.program_peak_bytes_before, notes=(*second.plan.notes, note)))
+
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
     """The plan's setup facts, nothing decided yet."""
     o = options
@@ -83,23 +145,17 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
     ``seams``: the device, the collectives and the two plantable choices."""
     o = options
-    # which TE weights the forward all-gathers in FP8: decided on the traces alone, before the memory model, which
-    # counts their gathered buffers at the bytes the rewrite makes them
-    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
-                                 group=setup and setup.group, world_size=setup.world_size if setup else 1)
-    facts = program_facts(fw, bw, te_names)  # derived once; every stage reads them
-    if len(backward_saved(bw)[0]) != len(facts.saved):
-        raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
     k = shards.size if shards is not None else 1
-    extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
-    analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis,
-                       resized=fwd_gather.buffer_nbytes())
-    # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
-    agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
-    plan, warns = make_plan(analysis.with_terms(agreed.terms), dataclasses.replace(o, budget_bytes=agreed.budget_bytes),
-                            k, plan_header(o, setup, shards), agreed.values, chooser=seams.chooser)
-    for warning in warns:
+    planned = functools.partial(_planned, options=o, setup=setup, shards=shards, device=device,
+                                te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams)
+    chosen = planned(fw, bw=bw)
+    scheduled = _rescheduled(chosen, planned) if o.reschedule else None
+    if scheduled is not None:
+        chosen = scheduled
+    fw, bw = chosen.forward, chosen.backward
+    facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
+    for warning in chosen.warnings:
         warnings.warn(f"{name}: {warning}", stacklevel=3)
     plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows), notes=(*plan.notes, *fwd_gather.notes))
     if group is not None:

@@ -36,6 +36,7 @@ class RunConfig:
     mesh_shape: tuple[int, ...] | None = None  # "fsdp2" only: (replicate, shard) for HSDP over a 2-D mesh (its
     # product the world size); None: a 1-D mesh over every rank
     seed: int = 0
+    model: str = "mlp"  # "mlp": FakeFP8MLP(widths); "checkpointed": CheckpointedBlocks(widths[0], len(widths) - 1)
 
     def options_of(self, rank: int) -> dict:
         """The ShardIntermediates options of rank ``rank``."""
@@ -60,12 +61,15 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.testing.toy_models import FakeFP8MLP
+    from thunder_fp8shard.testing.toy_models import CheckpointedBlocks, FakeFP8MLP
 
     if cfg.api == "fsdp2":
         return train_fsdp2(rank, world_size, cfg)
     torch.manual_seed(cfg.seed)
-    model = FakeFP8MLP(cfg.widths)
+    if cfg.model == "checkpointed":
+        model = CheckpointedBlocks(cfg.widths[0], len(cfg.widths) - 1)
+    else:
+        model = FakeFP8MLP(cfg.widths)
     shard = ShardIntermediates(**cfg.options_of(rank)).inject(**cfg.seams)
     extra = [shard] if cfg.use_pass else []
     strategy = FSDPType[cfg.sharding_strategy]

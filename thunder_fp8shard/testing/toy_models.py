@@ -204,3 +204,25 @@ class FP8WeightLinear(torch.autograd.Function):
         x, wq, scale = ctx.saved_tensors
         w = torch.mul(wq.to(g.dtype), scale)
         return torch.matmul(g, w), torch.matmul(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
+def _checkpointed_block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(torch.relu(F.linear(x, w1)), w2)
+
+
+class CheckpointedBlocks(nn.Module):
+    """Square linear pairs, each pair under ``torch.utils.checkpoint`` (as a transformer's blocks under activation
+    checkpointing): the forward saves each block's input and its two (all-gathered) weights for the recompute, and
+    with wide layers and few rows the weights and their gradients outweigh the activations, as in a checkpointed
+    LLM."""
+
+    def __init__(self, width: int = 256, blocks: int = 4):
+        super().__init__()
+        self.w1 = nn.ParameterList(nn.Parameter(torch.randn(width, width) / width ** 0.5) for _ in range(blocks))
+        self.w2 = nn.ParameterList(nn.Parameter(torch.randn(width, width) / width ** 0.5) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w1, w2 in zip(self.w1, self.w2):
+            x = checkpoint(_checkpointed_block, x, w1, w2, use_reentrant=False)
+        return x
+

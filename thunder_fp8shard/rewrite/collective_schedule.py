@@ -1,0 +1,153 @@
+"""``reschedule``: Thunder FSDP's collectives moved where they hold less memory, the same collectives in the same
+order on every rank, the same values.
+
+Thunder 0.2.6's FSDP puts every parameter's all-gather at the top of the forward (``sort_waits``), so every layer's
+gathered weights are allocated together before the first layer runs, and every weight gradient's division by the
+world size and reduce-scatter at the end of the backward, so every layer's unsharded gradient is alive from its
+matmul to the end. Without activation checkpointing neither plateau is the step's peak (the saved activations at the
+backward's start are). Under checkpointing both are, one after the other, and the gathered weights the forward saves
+for the recompute can only be sharded after their last forward use, once all of them are alive. So:
+
+* :func:`schedule_forward` issues each parameter's all-gather :data:`FORWARD_PREFETCH` all-gathers ahead of its
+  first use, its wait (and unpad slice) right before that use;
+* :func:`schedule_backward` divides and reduce-scatters each gradient, and waits for it, right after the gradient is
+  made (the wait right after the issue: the reduce-scatter's input is then held no longer than the memory model
+  counts it).
+
+Only the order of bound symbols changes. The pipeline plans the rescheduled program too and keeps it where the
+memory model predicts a lower peak (:func:`thunder_fp8shard.pipeline.compile_plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core.prims import PrimIDs
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+
+from thunder_fp8shard.analysis.liveness import is_bookkeeping
+from thunder_fp8shard.analysis.saved import forward_inputs
+
+ALL_GATHER = "torch_all_gather_prim_impl"
+REDUCE_SCATTER = "torch_reduce_scatter_prim_impl"
+WAIT = "torch_wait_prim_impl"
+SLICE = "torch_slice_prim_impl"
+DIVIDE = "true_divide"
+FORWARD_PREFETCH = 8  # all-gathers in flight ahead of a use: about one transformer block's weights
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """One parameter all-gathered in the forward: its all-gather, the bound symbols that make the weight from it
+    (the wait, and the unpad slice where that is the wait's only use), and its first use (an index into the
+    forward's bound symbols without dels)."""
+
+    gather: BoundSymbol
+    chain: tuple[BoundSymbol, ...]
+    first_use: int
+
+
+def _outs(b: BoundSymbol) -> list[str]:
+    return [p.name for p in b.flat_proxy_outs]
+
+
+def _uses(body: list[BoundSymbol]) -> dict[str, list[int]]:
+    uses: dict[str, list[int]] = {}
+    for i, b in enumerate(body):
+        if not is_bookkeeping(b):
+            for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
+                uses.setdefault(name, []).append(i)
+    return uses
+
+
+def gathered(body: list[BoundSymbol], inputs: frozenset[str]) -> list[Gathered]:
+    """The forward's all-gathers of trace inputs (parameter shards) whose handle's only use is its wait, in order of
+    their first use."""
+    uses = _uses(body)
+    out = []
+    for g in body:
+        if g.sym.name != ALL_GATHER or not g.args or getattr(g.args[0], "name", None) not in inputs:
+            continue
+        handle = _outs(g)
+        users = uses.get(handle[0], []) if len(handle) == 1 else []
+        if len(users) != 1 or body[users[0]].sym.name != WAIT:
+            continue
+        chain = [body[users[0]]]
+        (weight,) = _outs(chain[0])
+        after = uses.get(weight, [])
+        if len(after) == 1 and body[after[0]].sym.name == SLICE:  # the unpad slice: moved with the wait
+            chain.append(body[after[0]])
+            (weight,) = _outs(chain[-1])
+            after = uses.get(weight, [])
+        if after:
+            out.append(Gathered(g, tuple(chain), min(after)))
+    return sorted(out, key=lambda x: x.first_use)
+
+
+def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], provenance: str) -> TraceCtx | None:
+    """``trace`` with ``body`` sorted by ``key`` and its dels made again; None where the order is the same or a value
+    would be used before it is made."""
+    from thunder.executors.passes import del_last_used
+
+    order = sorted(body, key=lambda b: key[id(b)])
+    if [id(b) for b in order] == [id(b) for b in body]:
+        return None
+    produced = {name for b in body for name in _outs(b)}
+    made = {p.name for b in body for p in b.flat_proxy_args} - produced  # the trace's inputs
+    for b in order:
+        if any(p.name not in made for p in b.flat_proxy_args):
+            return None
+        made.update(_outs(b))
+    new = from_trace(trace)
+    new.bound_symbols = order
+    out = del_last_used(new)
+    out.set_provenance(TraceProvenance(provenance))
+    return out
+
+
+def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx | None:
+    """``fw`` with each parameter's all-gather issued ``prefetch`` all-gathers ahead of its first use (the first
+    ``prefetch`` where they were), its wait (and unpad slice) right before that use; None where nothing moves.
+    ``fw`` is not modified."""
+    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    found = gathered(body, frozenset(p.name for p in forward_inputs(fw)))
+    key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}  # (position, rank, tie)
+    for x in found:
+        for k, b in enumerate(x.chain):
+            key[id(b)] = (x.first_use, -1, k)  # right before the first use, in the chain's order
+    for j, x in enumerate(found):
+        if j >= prefetch:  # right before the chain of the one `prefetch` earlier
+            key[id(x.gather)] = (found[j - prefetch].first_use, -2, j)
+    return _reordered(fw, body, key, f"ShardIntermediates(reschedule): {max(0, len(found) - prefetch)} of "
+                                     f"{len(found)} forward all-gathers issued {prefetch} ahead of their use")
+
+
+def schedule_backward(bw: TraceCtx) -> TraceCtx | None:
+    """``bw`` with each gradient's ``true_divide`` by the world size, its reduce-scatter and its wait right after the
+    gradient is made; None where nothing moves. ``bw`` is not modified."""
+    body = [b for b in bw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    producer: dict[str, int] = {}
+    for i, b in enumerate(body):
+        for name in _outs(b):
+            producer.setdefault(name, i)
+    uses = _uses(body)
+    key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}
+    moved = 0
+    for i, rs in enumerate(body):
+        if rs.sym.name != REDUCE_SCATTER or not rs.args or getattr(rs.args[0], "name", None) not in producer:
+            continue
+        divided = rs.args[0].name
+        div = body[producer[divided]]
+        handle = _outs(rs)
+        waits = uses.get(handle[0], []) if len(handle) == 1 else []
+        grad = div.args[0] if div.args else None
+        if (div.sym.name != DIVIDE or uses.get(divided) != [i] or len(waits) != 1 or body[waits[0]].sym.name != WAIT
+                or getattr(grad, "name", None) not in producer):
+            continue
+        at = max(producer[grad.name], *(producer.get(getattr(a, "name", None), -1) for a in div.flat_proxy_args))
+        for k, b in enumerate((div, rs, body[waits[0]])):
+            key[id(b)] = (at, 1, k)  # right after the gradient (and the divisor) is made
+        moved += 1
+    return _reordered(bw, body, key, f"ShardIntermediates(reschedule): {moved} gradient reduce-scatters issued and "
+                                     "waited for right after their gradient")
