@@ -43,7 +43,7 @@ def test_the_schedules_move_only_the_order_of_fsdps_collectives(fsdp_traces):
     for i in _positions(new_bw, cs.REDUCE_SCATTER):
         assert names[i - 1] == cs.DIVIDE and names[i + 1] == cs.WAIT
     assert min(_positions(new_bw, cs.REDUCE_SCATTER)) < max(_positions(new_bw, "matmul"))
-    # the same collectives in the same relative order of kind on every rank: a function of the traces alone
+    # a function of the trace alone: every rank, given the same trace, makes the same order
     assert _names(cs.schedule_backward(bw)) == names
 
 

@@ -29,8 +29,8 @@ from thunder_fp8shard.distributed.shard_groups import ShardGroup
 from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.reporting.format import fmt_bytes
 from thunder_fp8shard.planning.planner import choose, make_plan
+from thunder_fp8shard.reporting.format import fmt_bytes
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
 from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
 from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, calibration_term, expected_storages
@@ -123,6 +123,7 @@ def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned 
         second.plan, peak_bytes_before=plan.peak_bytes_before, timeline_before=plan.timeline_before,
         program_peak_bytes_before=plan.program_peak_bytes_before, notes=(*second.plan.notes, note)))
 
+
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
     """The plan's setup facts, nothing decided yet."""
     o = options
@@ -143,7 +144,8 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
     ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
     calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
-    ``seams``: the device, the collectives and the two plantable choices."""
+    ``seams``: the device, the collectives and the two plantable choices. With ``options.reschedule`` the program
+    with Thunder FSDP's collectives rescheduled is planned too, and kept where its predicted peak is lower."""
     o = options
     group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
     k = shards.size if shards is not None else 1
