@@ -2,7 +2,8 @@
 ahead of their use and each gradient's reduce-scatter right after the gradient, on the CPU: the rewrite moves only
 the order (the same bound symbols, every value made before its use), and on two gloo ranks a checkpointed model,
 whose saved gathered weights Thunder's order keeps alive at once, trains bitwise as without the pass while the plan
-takes the new order for a lower predicted peak and the saved bytes fall as planned."""
+takes the new order for a lower predicted peak and the saved bytes fall as planned; at N=8 simulated, sharding alone
+leaves that model's predicted peak where it was, rescheduled it falls."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def test_a_checkpointed_model_rescheduled_is_exact_and_its_predicted_peak_falls(
         assert plan.peak_bytes_after < plan.peak_bytes_before
         assert any(d.sharded for d in plan.decisions)  # Thunder's order left every gathered weight unsharded here
         assert (plan.saved_bytes_before, plan.saved_bytes_after) == (base.saved_bytes[0], shard.saved_bytes[0])
+
+
+@pytest.mark.simulated
+def test_at_n8_sharding_lowers_the_checkpointed_peak_only_rescheduled():
+    """Rank 0 of 8 under torch's fake process group (no gloo temporaries): in Thunder's order the saved gathered weights
+    are sharded (the saved bytes fall) but the predicted peak does not move, held by the forward's gathered weights
+    and the backward's unsharded gradients; rescheduled, the peak falls."""
+    from thunder_fp8shard.testing.harness import run_simulated
+    from thunder_fp8shard.testing.reference_run import train
+
+    plans = {}
+    for reschedule in (False, True):
+        cfg = RunConfig(model="checkpointed", widths=(512,) * 9, batch_sizes=(2,), no_grad_call=False,
+                        options={"candidates": "all", "min_bytes": 0, "reschedule": reschedule})
+        run = run_simulated(train, 8, cfg)
+        plans[reschedule] = plan = run.plans[0]
+        assert plan.saved_bytes_after < plan.saved_bytes_before / 4 and run.saved_bytes[0] == plan.saved_bytes_after
+    assert plans[False].peak_bytes_after == plans[False].peak_bytes_before
+    assert plans[True].peak_bytes_after < 0.85 * plans[True].peak_bytes_before
+    assert any(n.startswith("reschedule:") for n in plans[True].notes)
