@@ -167,6 +167,17 @@ fp8_32_memory() {  # s9: the default's predicted and measured peaks at 32 layers
     "bf16gather": {"optimizer_states": 2, "fp8_forward_gather": false}}' $FLAGS $FP8 --n_layers=32
 }
 
+RESCHED='{"without": null, "all": {"optimizer_states": 2, "candidates": "all"},
+  "resched": {"optimizer_states": 2, "candidates": "all", "reschedule": true}}'
+
+ckpt_resched() {  # s10: reschedule under --checkpoint_activations=True: layers, then precision flags (memory only)
+  local n=$1; shift
+  memory_arms "ckpt_resched_$1_l${n}_n8" "$RESCHED" $FLAGS ${2:-} --n_layers=$n --checkpoint_activations=True
+}
+
+ckpt_resched_8() { ckpt_resched 8 fp8 "$FP8"; ckpt_resched 8 bf16; }
+ckpt_resched_32() { ckpt_resched 32 fp8 "$FP8"; ckpt_resched 32 bf16; }
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -183,7 +194,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again ckpt_resched "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -205,7 +216,9 @@ case "${1:-}" in
       # the memory model counting the FP8 forward gathers' 1 B/element buffers: the GPU modules and the headline's
       # memory (32 layers, FP8: the default's prediction against the device, a few iterations, not timed alone)
       s9) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 fp8_32_memory; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9"; exit 2 ;;
+      # reschedule (off by default, measured on the CPU only) under activation checkpointing, and the GPU module whole
+      s10) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_8 ckpt_resched_32; echo 5 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10"; exit 2 ;;
     esac
     echo started ;;
   collect)
