@@ -81,7 +81,7 @@ class MemoryModel:
         the step runs in besides the program; ``rewritten``: with what the pass's forward rewrite changes)."""
         live = self._program_bytes + self.change(buckets, compactions)
         if rewritten and self.rewritten:
-            live = live + span_bytes(self.rewritten, len(self.steps))
+            live = live + self._rewritten_bytes
         return live + self._term_bytes if terms else live
 
     def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
@@ -101,6 +101,10 @@ class MemoryModel:
     @functools.cached_property
     def _program_bytes(self) -> np.ndarray:
         return span_bytes(life_spans(self.lives.values()), len(self.steps))
+
+    @functools.cached_property
+    def _rewritten_bytes(self) -> np.ndarray:
+        return span_bytes(self.rewritten, len(self.steps))
 
     @functools.cached_property
     def _term_bytes(self) -> np.ndarray:

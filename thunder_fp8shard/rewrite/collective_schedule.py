@@ -28,11 +28,9 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.analysis.saved import forward_inputs
+from thunder_fp8shard.rewrite.fp8_gather import ALL_GATHER, SLICE, WAIT
 
-ALL_GATHER = "torch_all_gather_prim_impl"
 REDUCE_SCATTER = "torch_reduce_scatter_prim_impl"
-WAIT = "torch_wait_prim_impl"
-SLICE = "torch_slice_prim_impl"
 DIVIDE = "true_divide"
 FORWARD_PREFETCH = 8  # all-gathers in flight ahead of a use: about one transformer block's weights
 

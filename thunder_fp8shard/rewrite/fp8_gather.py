@@ -435,8 +435,8 @@ class ForwardGatherPlan:
         """What each weight gathered in FP8 holds from its all-gather to its linear, by the names of its gathered
         buffer's proxies (the all-gather's output and the wait's, one storage): the uint8 gathered rows and this
         rank's cast rows that the handle keeps until the wait, 1 B an element, where the trace's proxies print the
-        bf16 buffer. The memory model counts these storages at these sizes (:func:`~thunder_fp8shard.analysis.
-        program.program_facts`)."""
+        bf16 buffer. The memory model counts these storages at these sizes (``resized`` of
+        :func:`~thunder_fp8shard.memory.model.memory_model`)."""
         sizes = {}
         for s in self.sites:
             if s.why is None:
