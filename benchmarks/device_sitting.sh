@@ -175,8 +175,9 @@ ckpt_resched() {  # s10: reschedule under --checkpoint_activations=True: layers,
   memory_arms "ckpt_resched_$1_l${n}_n8" "$RESCHED" $FLAGS ${2:-} --n_layers=$n --checkpoint_activations=True
 }
 
-ckpt_resched_8() { ckpt_resched 8 fp8 "$FP8"; ckpt_resched 8 bf16; }
-ckpt_resched_32() { ckpt_resched 32 fp8 "$FP8"; ckpt_resched 32 bf16; }
+ckpt_resched_8() { ckpt_resched 8 fp8 "$FP8"; touch "$R/busy/$JOB"; ckpt_resched 8 bf16; }
+ckpt_resched_32_fp8() { ckpt_resched 32 fp8 "$FP8"; }
+ckpt_resched_32_bf16() { ckpt_resched 32 bf16; }
 
 gpu_tests() {
   mkdir -p "$R/gpu"
@@ -217,7 +218,7 @@ case "${1:-}" in
       # memory (32 layers, FP8: the default's prediction against the device, a few iterations, not timed alone)
       s9) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 fp8_32_memory; echo 3 > "$R/logs/expected" ;;
       # reschedule (off by default, measured on the CPU only) under activation checkpointing, and the GPU module whole
-      s10) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_8 ckpt_resched_32; echo 5 > "$R/logs/expected" ;;
+      s10) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_8 ckpt_resched_32_fp8 ckpt_resched_32_bf16; echo 5 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10"; exit 2 ;;
     esac
     echo started ;;
