@@ -179,6 +179,16 @@ ckpt_resched_8() { ckpt_resched 8 fp8 "$FP8"; touch "$R/busy/$JOB"; ckpt_resched
 ckpt_resched_32_fp8() { ckpt_resched 32 fp8 "$FP8"; }
 ckpt_resched_32_bf16() { ckpt_resched 32 bf16; }
 
+ckpt_resched_chain() {  # s11: the 32-layer checkpointed runs one after the other (memory: beside bf16_32_own), then 8
+  ckpt_resched 32 fp8 "$FP8"; touch "$R/busy/$JOB"; ckpt_resched 32 bf16; touch "$R/busy/$JOB"
+  ckpt_resched 8 fp8 "$FP8"; touch "$R/busy/$JOB"; ckpt_resched 8 bf16
+}
+
+bf16_32_own() {  # s11: bf16 "all" with the gathered weights' shards their parameters' own (issue #31 item 4's bf16 arm)
+  paired paired_bf16_l32_n8_own '{"without": null, "null": null, "all": {"candidates": "all", "optimizer_states": 2}}' 40 \
+    --one-model -- $FLAGS --n_layers=32
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -219,7 +229,10 @@ case "${1:-}" in
       s9) export GPU_TEST_WORKERS=6; launch gpu_tests models_8 fp8_32_memory; echo 3 > "$R/logs/expected" ;;
       # reschedule (off by default, measured on the CPU only) under activation checkpointing, and the GPU module whole
       s10) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_8 ckpt_resched_32_fp8 ckpt_resched_32_bf16; echo 5 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10"; exit 2 ;;
+      # 2026-12-03, second session: s10's runs with own shards (a gathered weight's shard is its parameter's), the
+      # bf16 "all" paired run with them, and the GPU module
+      s11) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_chain bf16_32_own; echo 6 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10|s11"; exit 2 ;;
     esac
     echo started ;;
   collect)

@@ -104,6 +104,37 @@ def test_all_candidates_shards_the_gathered_full_precision_weights_too(on_ranks)
     _check_saved_bytes_drop_as_planned(results)
 
 
+# at k=2 the gathered weights of 64 and 8 rows are exactly two parameter shards each (their shard is the parameter's
+# own, nothing is copied); 47 rows are padded, so that weight is copied into a shard as before
+OWN_WIDTHS = (24, 64, 47, 8)
+
+
+def test_gathered_weights_whose_shard_is_the_parameter_are_exact_and_keep_no_copy(on_ranks):
+    cfg = RunConfig(widths=OWN_WIDTHS, options={"min_bytes": 64, "candidates": "all"})
+    results = on_ranks(train_with_and_without, 2, cfg)
+    for rank, (base, shard) in enumerate(results):
+        assert mismatches(base, shard) == [], f"rank {rank}"
+        for step_grads in shard.grads:
+            assert all(g.abs().sum() > 0 for g in step_grads.values()), "a compared gradient is zero: the check is void"
+    _check_saved_bytes_drop_as_planned(results)  # the saved parameter shard counted as saved_tensors_hooks sees it
+    plan = results[0][1].plans[0]
+    # the all-gathered weights of even rows (the model's other fp32 tensors of their shapes are computed from them)
+    own = {d.name: d for d in plan.decisions if d.shard_source}
+    assert {d.shape for d in own.values()} == {(64, 24), (8, 47)}, [(d.name, d.shape) for d in own.values()]
+    assert len({d.shard_source for d in own.values()}) == len(own)
+    assert all(d.sharded and d.dtype == "float32" and d.bytes_saved == d.nbytes for d in own.values())
+    by_member = {b.members[0]: b for b in plan.buckets}
+    for name, d in own.items():  # a bucket of its own, with no shard op call
+        b = by_member[name]
+        assert b.members == (name,) and b.source == d.shard_source
+        assert sum(1 for o in plan.buckets if o.shard_op == b.shard_op) == 1
+    made = {b.shard_op for b in plan.buckets if not b.source}
+    assert plan.operator_calls["fp8shard_shard"] == len(made)
+    from thunder_fp8shard.reporting.plan_text import plan_text
+
+    assert "parameter shard(s) the forward all-gathered (no copy)" in plan_text(plan)
+
+
 def test_peak_policy_is_exact_and_never_raises_the_predicted_peak(on_ranks):
     cfg = RunConfig(widths=WIDTHS, batch_sizes=(3,), no_grad_call=False, options={"min_bytes": 0, "policy": "peak"})
     results = on_ranks(train_with_and_without, 2, cfg)

@@ -202,6 +202,19 @@ def test_buckets_grow_where_the_model_says_it_costs_no_peak():
     assert [b.members for b in too_small] == [("W2",), ("W1",)]
 
 
+def test_a_tensor_whose_shard_is_an_input_is_a_bucket_of_its_own_and_keeps_no_bytes():
+    """W1's shard is the parameter shard it was all-gathered from (analysis.own_shards): it never joins another
+    bucket or shard op, and the model holds nothing for its shard (the caller keeps the input anyway)."""
+    own = [replace(FREE_SOUND[0], shard_source="p1"), FREE_SOUND[1]]
+    merged = group(own, FREE_MODEL, prefetch=0, bucket_bytes=1024, k=2)
+    assert [(b.members, b.source) for b in merged] == [(("W2",), ""), (("W1",), "p1")]
+    assert merged[0].shard_op != merged[1].shard_op
+    copied = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, k=2)
+    # step 7 (after A's peak): the W2 shard (256 B) in both, W1's 256 B shard only where it is copied
+    assert FREE_MODEL.evaluate(copied).live_bytes[7] - FREE_MODEL.evaluate(merged).live_bytes[7] == 256
+    assert own[0].bytes_saved == 512 and FREE_SOUND[0].bytes_saved == 256
+
+
 def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():
     resident = MemoryTerm("resident at the call", GIVEN, "resident_bytes", ((0, 9, 50),))
     model = replace(MODEL, terms=(resident,))

@@ -92,7 +92,7 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
     analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis,
-                       resized=fwd_gather.buffer_nbytes())
+                       resized=fwd_gather.buffer_nbytes(), shard_ranks=tuple(shards.ranks) if shards else ())
     # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
     agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
     analysis = analysis.with_terms(agreed.terms)

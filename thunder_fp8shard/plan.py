@@ -31,11 +31,17 @@ class Decision:
     # bytes of the storage it views, what sharding frees (a view, e.g. an expand, can be larger or smaller than its
     # storage); 0: unknown, taken as ``nbytes``
     storage_nbytes: int = 0
+    # the forward input whose bytes are this rank's shard (a parameter shard Thunder FSDP all-gathered it from, see
+    # thunder_fp8shard.analysis.own_shards): nothing is copied or kept but that input, which the caller keeps anyway
+    shard_source: str = ""
 
     @property
     def bytes_saved(self) -> int:
-        """The storage's bytes freed less the shard kept: what sharding saves this rank."""
-        return (self.storage_nbytes or self.nbytes) - self.shard_nbytes if self.sharded else 0
+        """The storage's bytes freed less the shard kept (none where the shard is an input): what sharding saves
+        this rank."""
+        if not self.sharded:
+            return 0
+        return (self.storage_nbytes or self.nbytes) - (0 if self.shard_source else self.shard_nbytes)
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,8 @@ class Bucket:
     shard_op: int = 0  # index of the forward shard op that keeps this bucket's shard (one op can serve several)
     shard_offset: int = 0  # where this bucket's shard starts in that op's output (bytes)
     shard_until: int | None = None  # last step that op's shard is held: the wait of its last bucket
+    source: str = ""  # the forward input that is this rank's shard (Decision.shard_source): no shard op call, no
+    # bytes kept; the bucket is its own "shard op" (index ``shard_op``, never shared)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from thunder_fp8shard.analysis.candidates import Candidate, find_candidates, saved_bytes_by_dtype
+from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate, find_candidates, saved_bytes_by_dtype
+from thunder_fp8shard.analysis.own_shards import own_shards
 from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.replication import Replication, analyze_replication
 from thunder_fp8shard.memory.model import MemoryModel, gathers_hold_scratch, memory_model
@@ -27,6 +28,8 @@ class Analysis:
     saved_names: frozenset[str]
     model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
     saved_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # saved tensors' bytes by dtype
+    # candidates whose shard is a forward input (analysis.own_shards), by name: the input's name
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def with_terms(self, terms: Sequence[MemoryTerm]) -> Analysis:
         """The same analysis with the memory terms every rank agreed on."""
@@ -34,14 +37,16 @@ class Analysis:
 
 
 def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_terms: Sequence[MemoryTerm] = (),
-            replication_analysis=analyze_replication, resized: Mapping[str, int] | None = None) -> Analysis:
+            replication_analysis=analyze_replication, resized: Mapping[str, int] | None = None,
+            shard_ranks: tuple[int, ...] = ()) -> Analysis:
     """The analysis of the program ``facts`` describes (:func:`~thunder_fp8shard.analysis.program.program_facts`).
     ``setup``: the distributed setup (:class:`~thunder_fp8shard.distributed.integrations.Integration`; None:
     compaction alone); ``device``: the :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling
     (None on the CPU); ``extra_terms``: memory terms measured at run time before (the calibration's error after a
     missed budget); ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a
     test injects another, see :class:`thunder_fp8shard.pipeline.Seams`); ``resized``: storages the pass's forward
-    rewrite makes another size (:func:`~thunder_fp8shard.memory.model.memory_model`)."""
+    rewrite makes another size (:func:`~thunder_fp8shard.memory.model.memory_model`); ``shard_ranks``: the shard
+    group's global ranks in its order (:func:`~thunder_fp8shard.analysis.own_shards.own_shards`)."""
     candidates = find_candidates(facts.saved, options.candidates, facts.te_names) if setup is not None else []
     model = memory_model(facts, candidates, options=options, device=device,
                          gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device),
@@ -52,5 +57,10 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_ter
     if setup is not None:
         fw = facts.forward
         replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
+    sources = {}
+    if setup is not None and len(shard_ranks) > 1:
+        plain = [c.name for c in candidates if c.kind != TE_FLOAT8]
+        inputs = [p for p in facts.inputs if p.name not in facts.saved_names]  # one saved, counted once
+        sources = {n: p.name for n, p in own_shards(facts.forward, plain, inputs, ranks=shard_ranks).items()}
     return Analysis(tuple(candidates), model, replication, facts.saved_names, facts.model_io,
-                    saved_bytes_by_dtype(facts.saved, facts.te_names))
+                    saved_bytes_by_dtype(facts.saved, facts.te_names), sources)

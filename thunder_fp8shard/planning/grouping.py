@@ -71,6 +71,7 @@ def place(
             shard_at=shard_at[ops[j]], first_use=first_uses[j],
             gather_at=model.backward_body_start if (src := prefetched_by(j, prefetch)) is None else first_uses[src],
             shard_op=ops[j], shard_offset=offsets[j], shard_until=until[ops[j]],
+            source=b[0].shard_source if len(b) == 1 else "",
         )
         for j, b in enumerate(buckets)
     ]
@@ -94,14 +95,18 @@ def group(
     fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
 
     # buckets: one all-gather each
+    # a tensor whose shard is a forward input (Decision.shard_source) is a bucket and a shard op of its own
+    own = lambda run: len(run) > 1 and any(d.shard_source for d in run)  # noqa: E731
     buckets = _grow(
-        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes,
+        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes and not own(run),
         lambda parts: fits(build([[d for b in p for d in b] for p in parts], range(len(parts)))),
     )
     merged = [[d for b in p for d in b] for p in buckets]
     # shard ops: consecutive buckets whose shards one op keeps
     by_op = _grow(
-        [[j] for j in range(len(merged))], lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes,
+        [[j] for j in range(len(merged))],
+        lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes and not own(
+            [d for j in run for d in merged[j]]),
         lambda parts: fits(build(merged, [op for op, p in enumerate(parts) for j in p for _ in j])),
     )
     return build(merged, [op for op, p in enumerate(by_op) for j in p for _ in j])
@@ -166,7 +171,7 @@ def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucke
     def moved(c: Compaction, step: int, op: int | None) -> Compaction:
         return replace(c, compact_at=step, shard_op=op, moved_from=c.compact_at if step != c.compact_at else None)
 
-    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets})
+    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets if not b.source})  # a source's bucket: no call
     for c in sorted(taken.values(), key=lambda c: c.compact_at):
         op = next(((step, k) for step, k in anchors if step >= c.compact_at), None)
         if op is not None and peak_holds(trial := {**taken, c.storage: moved(c, *op)}):

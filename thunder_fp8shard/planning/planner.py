@@ -12,7 +12,7 @@ the plan (the choice, its evaluations, the byte accounting).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -34,11 +34,13 @@ ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): 
 
 def soundness(
     candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, k: int,
-    model: MemoryModel, saved_names: set[str],
+    model: MemoryModel, saved_names: set[str], sources: Mapping[str, str] | None = None,
 ) -> list[Decision]:
     """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason.
     ``k``: the ranks each tensor is sharded over (the shard group's, see
-    :mod:`thunder_fp8shard.distributed.shard_groups`); ``replication`` is over the setup's whole group."""
+    :mod:`thunder_fp8shard.distributed.shard_groups`); ``replication`` is over the setup's whole group; ``sources``:
+    the candidates whose shard is a forward input (:mod:`thunder_fp8shard.analysis.own_shards`), with its name."""
+    sources = sources or {}
     decisions = []
     life_of = storage_of(model.lives)
     for c in candidates:
@@ -66,7 +68,7 @@ def soundness(
         elif storage <= shard:
             why = (f"a view of a {storage:,} B storage ({c.payload_bytes:,} B as its shape says): the {shard:,} B shard "
                    "sharding keeps would not be smaller than what it frees")
-        decisions.append(_decision(c, replicated, k, why, storage))
+        decisions.append(_decision(c, replicated, k, why, storage, sources.get(c.name, "")))
     return decisions
 
 
@@ -81,7 +83,7 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
     sound = []
     if analysis.replication is not None:
         sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, k,
-                          model, set(analysis.saved_names))
+                          model, set(analysis.saved_names), analysis.sources)
     choice = (chooser or choose)(sound, model, options, k)
     buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
     # before: the run without the pass (nor its forward rewrite); after: the program as the pass runs it
@@ -193,7 +195,8 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
         if target is not None and unknown:
             notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
                          "size): the step can exceed it by that much")
-    final = [d if d.name not in refused else replace(d, sharded=False, shard_nbytes=0, reason=refused[d.name]) for d in sound]
+    final = [d if d.name not in refused else
+             replace(d, sharded=False, shard_nbytes=0, shard_source="", reason=refused[d.name]) for d in sound]
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
                              compactions=taken, **sched)
@@ -324,7 +327,8 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
         if not changed:
             break
         decisions = [d if d.name not in dropped or not d.sharded else
-                     replace(d, sharded=False, shard_nbytes=0, reason=dropped[d.name]) for d in decisions]
+                     replace(d, sharded=False, shard_nbytes=0, shard_source="", reason=dropped[d.name])
+                     for d in decisions]
         taken = [c for c in compactions if c.compacted and c.storage not in undone]
         buckets = grouping.group([d for d in decisions if d.sharded], model, bucket_bytes=options.bucket_bytes,
                                  compactions=taken, **sched)
@@ -396,13 +400,16 @@ def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) ->
     return sorted(m for m in life.members if m != c.name and m in saved_names)
 
 
-def _decision(c: Candidate, replicated: bool, k: int, refused: str | None, storage_nbytes: int) -> Decision:
+def _decision(c: Candidate, replicated: bool, k: int, refused: str | None, storage_nbytes: int,
+              source: str = "") -> Decision:
     view = (f"; a view of a {storage_nbytes:,} B storage, which sharding frees" if storage_nbytes != c.payload_bytes
             else "")
+    kept = (f"its shard is {source}, this rank's rows the forward all-gathered it from: nothing copied or kept"
+            if source else f"rank keeps 1/{k}")
     return Decision(
         name=c.name, shape=tuple(int(s) for s in c.proxy.shape), dtype=str(c.proxy.dtype).removeprefix("thunder.dtypes."),
         kind=c.kind, nbytes=c.payload_bytes, replicated=replicated, sharded=refused is None,
-        reason=refused or f"identical on every rank; rank keeps 1/{k}{view}",
+        reason=refused or f"identical on every rank; {kept}{view}",
         shard_nbytes=bucket_layout([c.payload_bytes], k).shard_nbytes if refused is None else 0,
-        storage_nbytes=storage_nbytes,
+        storage_nbytes=storage_nbytes, shard_source=source if refused is None else "",
     )

@@ -22,7 +22,8 @@ def plan_text(plan: ShardPlan, report: RunReport | None = None) -> str:
     header = ("tensor", "shape", "dtype", "kind", "bytes", "replicated", "sharded", "reason")
     rows = [
         (d.name, "x".join(map(str, d.shape)) or "()", d.dtype, d.kind, f"{d.nbytes:,}",
-         "yes" if d.replicated else "no", f"1/{plan.k}" if d.sharded else "no", d.reason)
+         "yes" if d.replicated else "no", ("input" if d.shard_source else f"1/{plan.k}") if d.sharded else "no",
+         d.reason)
         for d in plan.decisions
     ]
     if plan.shard_group_origin == "none":  # CompactSavedViews: no distributed setup
@@ -33,7 +34,7 @@ def plan_text(plan: ShardPlan, report: RunReport | None = None) -> str:
             f"ShardIntermediates plan: {plan.integration or 'no distributed setup'}, world size {plan.world_size}, "
             f"{_shard_group_words(plan)}, method {plan.method}, policy {plan.policy}, "
             f"prefetch {plan.prefetch}; {len(plan.sharded)} of {len(plan.decisions)} candidates sharded, "
-            + (f"in {len(plan.buckets)} bucket(s) kept by {len({b.shard_op for b in plan.buckets})} shard op(s), "
+            + (f"in {len(plan.buckets)} bucket(s) kept by {_shard_op_words(plan)}, "
                f"each of at most {fmt_bytes(plan.bucket_bytes)}" if plan.bucket_bytes else "one tensor a bucket")
             + f", on {_group_words(plan)}; the pass took {plan.pass_seconds:.2f} s",
             *table(header, rows),
@@ -148,6 +149,13 @@ def _forward_gather_lines(plan: ShardPlan) -> list[str]:
     rows = [(g.weight, "x".join(map(str, g.shape)), "fp8" if g.fp8 else "bf16", f"{g.received_bytes_after:,}",
              g.reason) for g in plan.forward_gather]
     return [head, *table(("weight", "shape", "gathered as", "received bytes", "reason"), rows)]
+
+
+def _shard_op_words(plan: ShardPlan) -> str:
+    """How many shard ops keep the buckets' shards, and how many buckets' shards are forward inputs instead."""
+    own = sum(1 for b in plan.buckets if b.source)
+    ops = len({b.shard_op for b in plan.buckets if not b.source})
+    return f"{ops} shard op(s)" + (f" and {own} parameter shard(s) the forward all-gathered (no copy)" if own else "")
 
 
 def _shard_group_words(plan: ShardPlan) -> str:

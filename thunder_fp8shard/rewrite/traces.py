@@ -43,6 +43,7 @@ class BucketRequest:
     shard_nbytes: int
     wait_before: BoundSymbol
     start_before: BoundSymbol | None
+    source: TensorProxy | None = None  # the forward input that is this rank's shard (Bucket.source): no shard op
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,14 @@ def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest]
     symbols of the forward, then of the backward)."""
     fw, bw, n_fw = facts.forward, facts.backward, facts.backward_start
     proxy_of = {p.name: p for p in facts.saved}
+    input_of = {p.name: p for p in facts.inputs} if any(b.source for b in plan.buckets) else {}
     ops_of: dict[int, list[BucketRequest]] = {}
     after: dict[int, BoundSymbol] = {}
     for j, b in enumerate(plan.buckets):
         start = None if prefetched_by(j, plan.prefetch) is None else bw.bound_symbols[b.gather_at - n_fw]
         ops_of.setdefault(b.shard_op, []).append(BucketRequest(
             tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
-            start))
+            start, input_of[b.source] if b.source else None))
         after[b.shard_op] = fw.bound_symbols[b.shard_at]
     by_op: dict[int, list[TensorProxy]] = {}  # compactions a shard op makes
     by_step: dict[int, list[TensorProxy]] = {}  # the others: one call a step
@@ -108,7 +110,7 @@ class ShardedBucket:
 class ForwardRewrite:
     trace: TraceCtx
     sharded: tuple[ShardedBucket, ...]
-    shards: tuple[TensorProxy, ...]  # one per shard op
+    shards: tuple[TensorProxy, ...]  # saved instead of the sharded tensors: one per shard op, and each bucket's source
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
     k: int  # the shard group's size: what each shard is 1/k of
     compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
@@ -121,7 +123,9 @@ def rewrite_forward(
     """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
     instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
     ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views (``facts``: of the
-    program the plan was made on; its forward is rewritten, not modified)."""
+    program the plan was made on; its forward is rewritten, not modified). A bucket whose shard is a forward input
+    (``BucketRequest.source``) has no shard op: that input is saved instead of its member, and its restorer is a
+    constant of the backward (:class:`~thunder_fp8shard.runtime.ops.SourceRestorer`)."""
     fw = facts.forward
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     position = {id(b): i for i, b in enumerate(body)}
@@ -139,6 +143,12 @@ def rewrite_forward(
             inserted_after.setdefault(position[id(c.after)], []).extend(scope)
             compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
         for op in shard_ops:
+            if op.buckets[0].source is not None:  # its own shard op (grouping.group): nothing to insert
+                (r,) = op.buckets
+                restorer = ops.SourceRestorer.of(r.members[0], k)
+                sharded.append(ShardedBucket(r.members, r.source, 0, r.shard_nbytes, restorer, r))
+                shards.append(r.source)
+                continue
             scope = []
             new.push_scope(scope)
             members = tuple(r.members for r in op.buckets)
@@ -162,7 +172,7 @@ def rewrite_forward(
         *(compacted[p.name][1] if p.name in compacted else p for p in facts.saved if p.name not in gone),
         *shards,
         *facts.saved_other,
-        *(s.restorer for s in sharded),
+        *(s.restorer for s in sharded if isinstance(s.restorer, AnyProxy)),
     )
     _update_forward_with_new_saved_for_backward(new, saved)
     out = del_last_used(new)

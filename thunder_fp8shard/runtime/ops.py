@@ -150,6 +150,31 @@ class Restorer:
         return self._restore(buf, states)
 
 
+class SourceRestorer:
+    """The restorer of a bucket whose shard is a forward input (:mod:`thunder_fp8shard.analysis.own_shards`): one
+    plain tensor, the all-gathered buffer itself viewed as it; no state, so one object serves every step (a constant
+    of the backward trace, not a saved value)."""
+
+    __slots__ = ("_restore",)
+
+    def __init__(self, restore: _Restore):
+        self._restore = restore
+
+    @classmethod
+    def of(cls, member: TensorProxy, k: int) -> SourceRestorer:
+        """The restorer of ``member`` (a plain tensor proxy) all-gathered over ``k`` ranks alone."""
+        like = torch.empty(tuple(member.shape), dtype=dtypes.to_torch_dtype(member.dtype), device="meta")
+        return cls(_bucket_restore(bucket_layout([like.nbytes], k), [_PLAIN], [1], [like]))
+
+    taken = False  # never used up
+
+    def restore(self, buf: torch.Tensor) -> tuple:
+        return self._restore(buf, [None])
+
+    def __repr__(self) -> str:  # printed in the trace
+        return "SourceRestorer()"
+
+
 class _Program:
     """What a shard op works out from the buffers its payloads hand over, kept while they have the same kinds
     (``kinds``, ``counts``: a kind and a number of buffers a member), ``shapes`` and ``dtypes``: this rank's
@@ -347,6 +372,8 @@ def _gather_start_meta(shard, offset: int, nbytes: int, k: int, group):
 
 
 def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, k: int, group) -> GatherHandle:
+    if shard.dtype is not _UINT8:  # a bucket's source: a forward input (a parameter shard), its bytes as they are
+        shard = shard.detach().reshape(-1).view(_UINT8)
     mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
     out = shard.new_empty(nbytes * k)
     # the call dist.all_gather_into_tensor(out, mine, group=group, async_op=True) makes, without its argument checks

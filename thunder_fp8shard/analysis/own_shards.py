@@ -1,0 +1,78 @@
+"""Saved tensors whose shard already exists: a forward all-gather's output, over the shard group, of a forward input.
+
+Under Thunder FSDP (ZeRO-3 and ZeRO-2) the forward all-gathers each parameter's shard, and Thunder saves the
+gathered weight for backward (under activation checkpointing, for the recompute). With ``candidates="all"`` the pass
+shards it like any identical tensor: a shard op copies this rank's rows into a new shard, and the backward gathers
+them back. But this rank's rows of the gathered weight *are* its parameter shard, already in memory: where the
+all-gather ran over the shard group's ranks (in the same order), with no padding (the gathered bytes are exactly
+``k`` times the input's), and the input is not written in the forward, the parameter shard is the bucket's shard.
+The forward then copies nothing and keeps no new bytes, and the backward's all-gather of the parameter shard is the
+forward's all-gather again: the same bytes.
+
+:func:`own_shards` finds them, pure over the forward trace (the group's ranks are asked of ``torch.distributed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.saved import tensor_nbytes
+
+ALL_GATHER = "torch_all_gather_prim_impl"
+WAIT = "torch_wait_prim_impl"
+
+
+def group_ranks(group) -> tuple[int, ...] | None:
+    """The global ranks of a process group, in group order (None: not a group ``torch.distributed`` knows)."""
+    import torch.distributed as dist
+
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001  (not initialized, not a ProcessGroup, ...)
+        return None
+
+
+def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorProxy], *, ranks: tuple[int, ...],
+               group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
+    """Each candidate (by name) whose shard is a forward input, with that input: the candidate is the output of
+    ``wait(all_gather(input, group))`` with ``group`` over ``ranks`` (the shard group's, in its order), gathered
+    along dim 0, of exactly ``len(ranks)`` times the input's bytes, and the input is written by no bound symbol of
+    the forward. An input all-gathered into two candidates serves the first only (the saved list holds it once)."""
+    wanted = set(candidates)
+    by_name = {p.name: p for p in inputs}
+    k = len(ranks)
+    written = _written(fw)
+    gathered: dict[str, TensorProxy] = {}  # the all-gather's future -> the input it gathers
+    out: dict[str, TensorProxy] = {}
+    taken: set[str] = set()
+    for b in fw.bound_symbols:
+        name = b.sym.name
+        if name == ALL_GATHER:
+            src, group = b.args[0], b.args[1]
+            dim = b.args[3] if len(b.args) > 3 else None
+            if (isinstance(src, TensorProxy) and src.name in by_name and src.name not in written
+                    and dim in (None, 0) and group_ranks(group) == ranks):
+                gathered[b.output.name] = src
+        elif name == WAIT and b.args and getattr(b.args[0], "name", None) in gathered:
+            result, src = b.output, gathered[b.args[0].name]
+            if (isinstance(result, TensorProxy) and result.name in wanted and src.name not in taken
+                    and result.dtype == src.dtype and tensor_nbytes(result) == k * tensor_nbytes(src)):
+                out[result.name] = src
+                taken.add(src.name)
+    return out
+
+
+def _written(fw: TraceCtx) -> set[str]:
+    """Names of the forward's tensors that a bound symbol may write in place: every tensor argument of a ``copy_``
+    (either order, Thunder's prim and torch's method differ), the first argument of any other in-place method."""
+    out = set()
+    for b in fw.bound_symbols:
+        name = b.sym.name
+        if name in ("copy_", "copy_with_setitem"):
+            out.update(a.name for a in b.flat_proxy_args if isinstance(a, TensorProxy))
+        elif name.endswith("_") and not name.startswith("_") and b.args and isinstance(b.args[0], TensorProxy):
+            out.add(b.args[0].name)
+    return out
