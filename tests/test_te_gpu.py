@@ -224,6 +224,24 @@ def test_llama_zero3_te_bitwise_and_memory():
         assert "the rank's input" in d["reason"] and "does not understand" not in d["reason"], d["reason"]
 
 
+def test_llama_zero3_bf16_all_candidates_own_shards_bitwise():
+    """bf16 without TE, ZeRO-3, ``candidates="all"``: Thunder keeps each all-gathered weight for backward, and where
+    its rows divide among the ranks (every weight of the tiny Llama at 2 ranks) its shard is the parameter shard
+    (analysis.own_shards: nothing copied). Two gloo ranks on the one GPU: losses and every gradient of three steps
+    bitwise equal with and without the pass, all non-zero; the saved bytes fall by what the plan predicts."""
+    cfg = dict(SMALL, te=False, extra={"candidates": "all"})
+    without = run_on_ranks(bench.run_rank, 2, bench.RunConfig(**cfg, shard=False), backend="gloo")
+    with_ = run_on_ranks(bench.run_rank, 2, bench.RunConfig(**cfg, shard=True), backend="gloo")
+    _assert_bitwise_equal_and_nonzero(without, with_)
+    plan = with_[0]["plan"]
+    own = [d for d in plan["decisions"] if d["shard_source"]]
+    print("TE_GPU_OWN_SHARDS " + json.dumps({"own": len(own), "sharded": sum(d["sharded"] for d in plan["decisions"]),
+                                             "plan": plan["text"].splitlines()[:2]}))
+    assert own and all(d["sharded"] and d["bytes_saved"] == d["nbytes"] for d in own)
+    for a, b in zip(without, with_):
+        assert a["saved_bytes_measured"] - b["saved_bytes_measured"] == plan["predicted_saving"]
+
+
 @pytest.mark.parametrize("setup", ["zero2", "ddp"])
 def test_llama_te_zero2_and_ddp_bitwise(setup):
     """Thunder FSDP ZeRO-2 and Thunder DDP with the TE executor, two gloo ranks on the one GPU, different data per
