@@ -41,6 +41,8 @@ MLP = [
     ("fsdp-api-cap-prefetch2", 2, {"batch_sizes": LARGE, "api": "fsdp", "options": {
         "min_bytes": 0, "prefetch": 2, "bucket_bytes": 3200, "comm": "dedicated"}}),
     ("zero3-all-candidates", 2, {"options": {"min_bytes": 64, "candidates": "all"}}),
+    # rows that divide among the ranks: the gathered weights' shards are their parameters' (analysis.own_shards)
+    ("zero3-all-own-shards", 2, {"widths": (24, 64, 47, 8), "options": {"min_bytes": 64, "candidates": "all"}}),
     ("zero3-peak", 2, {"options": {"min_bytes": 0, "policy": "peak", "optimizer_states": 0}}),
     ("zero3-budget", 2, {"options": {"min_bytes": 0, "policy": "budget", "budget_bytes": 79_000,
                                      "optimizer_states": 0}}),
@@ -76,7 +78,7 @@ def _plan_record(plan, report=None) -> dict:
 def mlp_fingerprint(rank, world_size, fields):
     from thunder_fp8shard.testing.reference_run import RunConfig, train
 
-    cfg = RunConfig(widths=WIDTHS, **{"batch_sizes": (3, 5), "no_grad_call": False, **fields})
+    cfg = RunConfig(**{"widths": WIDTHS, "batch_sizes": (3, 5), "no_grad_call": False, **fields})
     result = train(rank, world_size, cfg)
     return {"plans": [_plan_record(p, r) for p, r in zip(result.plans, result.reports)], "traces": list(result.traces)}
 
