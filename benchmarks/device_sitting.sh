@@ -232,7 +232,9 @@ case "${1:-}" in
       # 2026-12-03, second session: s10's runs with own shards (a gathered weight's shard is its parameter's), the
       # bf16 "all" paired run with them, and the GPU module
       s11) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_chain bf16_32_own; echo 6 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10|s11"; exit 2 ;;
+      # s11's machine went back before its last runs were collected: those two again
+      s12) launch ckpt_resched_32_bf16 bf16_32_own; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10|s11|s12"; exit 2 ;;
     esac
     echo started ;;
   collect)
