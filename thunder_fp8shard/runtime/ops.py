@@ -20,7 +20,8 @@ Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, k, group)`` (i
           ``t1, ..., tk, next_handle = fp8shard_gather_next(handle, restorer, shard, offset, nbytes, k,
           group)`` (waits, then issues the next all-gather), so a bucket costs the backward one operator call.
 
-Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives); the gathered
+Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives), or a bucket's
+source (a parameter shard whose all-gather the saved tensor was: :class:`SourceRestorer`), read as its bytes; the gathered
 buffer is the bucket's layout padded to a multiple of ``k`` (the shard group's size), so no byte is ever dropped.
 
 The operators run tens of times a step in a training loop whose forward is CPU-bound, so a call does only what
