@@ -82,3 +82,6 @@ def test_at_n8_sharding_lowers_the_checkpointed_peak_only_rescheduled():
     assert plans[False].peak_bytes_after == plans[False].peak_bytes_before
     assert plans[True].peak_bytes_after < 0.85 * plans[True].peak_bytes_before
     assert any(n.startswith("reschedule:") for n in plans[True].notes)
+    # with the option off the plan says what it would give: the peak the rescheduled plan predicts
+    hint = [n for n in plans[False].notes if n.startswith("reschedule=True would lower the predicted peak")]
+    assert len(hint) == 1 and f"({plans[True].peak_bytes_after:,} B)" in hint[0], plans[False].notes

@@ -144,17 +144,24 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
     ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
     calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
-    ``seams``: the device, the collectives and the two plantable choices. With ``options.reschedule`` the program
-    with Thunder FSDP's collectives rescheduled is planned too, and kept where its predicted peak is lower."""
+    ``seams``: the device, the collectives and the two plantable choices. The program with Thunder FSDP's collectives
+    rescheduled is planned too; where its predicted peak is lower it is kept with ``options.reschedule``, and named
+    in a note of the plan without it."""
     o = options
     group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
     k = shards.size if shards is not None else 1
     planned = functools.partial(_planned, options=o, setup=setup, shards=shards, device=device,
                                 te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams)
     chosen = planned(fw, bw=bw)
-    scheduled = _rescheduled(chosen, planned) if o.reschedule else None
-    if scheduled is not None:
+    scheduled = _rescheduled(chosen, planned) if setup is not None else None
+    if scheduled is not None and o.reschedule:
         chosen = scheduled
+    elif scheduled is not None:  # said, not done: the option is off (every rank planned both alike)
+        lower = scheduled.plan.peak_bytes_after
+        chosen = dataclasses.replace(chosen, plan=dataclasses.replace(chosen.plan, notes=(
+            *chosen.plan.notes, f"reschedule=True would lower the predicted peak {fmt_bytes(chosen.plan.peak_bytes_after)} "
+            f"-> {fmt_bytes(lower)} (Thunder FSDP's all-gathers issued ahead of their use, each gradient's reduce-scatter "
+            "right after it: docs/options.md)")))
     fw, bw = chosen.forward, chosen.backward
     facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
     for warning in chosen.warnings:
