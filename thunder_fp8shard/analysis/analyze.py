@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate, find_candidates, saved_bytes_by_dtype
+from thunder_fp8shard.analysis.candidates import Candidate, find_candidates, saved_bytes_by_dtype
 from thunder_fp8shard.analysis.own_shards import own_shards
 from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.replication import Replication, analyze_replication
@@ -59,8 +59,8 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_ter
         replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
     sources = {}
     if setup is not None and len(shard_ranks) > 1:
-        plain = [c.name for c in candidates if c.kind != TE_FLOAT8]
         inputs = [p for p in facts.inputs if p.name not in facts.saved_names]  # one saved, counted once
-        sources = {n: p.name for n, p in own_shards(facts.forward, plain, inputs, ranks=shard_ranks).items()}
+        names = [c.name for c in candidates]
+        sources = {n: p.name for n, p in own_shards(facts.forward, names, inputs, ranks=shard_ranks).items()}
     return Analysis(tuple(candidates), model, replication, facts.saved_names, facts.model_io,
                     saved_bytes_by_dtype(facts.saved, facts.te_names), sources)

@@ -19,10 +19,8 @@ from collections.abc import Iterable, Mapping
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
+from thunder_fp8shard.analysis.replication import ALL_GATHER, WAIT
 from thunder_fp8shard.analysis.saved import tensor_nbytes
-
-ALL_GATHER = "torch_all_gather_prim_impl"
-WAIT = "torch_wait_prim_impl"
 
 
 def group_ranks(group) -> tuple[int, ...] | None:

@@ -29,9 +29,9 @@ _ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, Prim
 _OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
 
 _EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")  # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
-_ALL_GATHER = "torch_all_gather_prim_impl"
+ALL_GATHER = "torch_all_gather_prim_impl"  # Thunder's torch executor's names (one place)
 _OTHER_COLLECTIVES = ("torch_all_reduce", "torch_reduce_scatter", "torch_broadcast", "torch_pack", "torch_unpack")
-_WAIT = "torch_wait_prim_impl"
+WAIT = "torch_wait_prim_impl"
 TE_LINEAR_FWD = "te_functional_linear_fwd"
 TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
 
@@ -91,11 +91,11 @@ def _verdicts(bsym: BoundSymbol, group, origin):
     """(output proxy, None or reason) for each output of ``bsym``."""
     outs = list(bsym.flat_proxy_outs)
     name = bsym.sym.name
-    if name == _ALL_GATHER:
+    if name == ALL_GATHER:
         same_group = bsym.args[1] is group
         why = None if same_group else "an all-gather over another process group"
         return [(o, why) for o in outs]
-    if name == _WAIT:
+    if name == WAIT:
         return [(o, origin(bsym.args[0])) for o in outs]
     if name.startswith(TE_LINEAR_FWD):
         a, w, bias = bsym.args[:3]

@@ -27,8 +27,9 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
+from thunder_fp8shard.analysis.replication import ALL_GATHER, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
-from thunder_fp8shard.rewrite.fp8_gather import ALL_GATHER, SLICE, WAIT
+from thunder_fp8shard.rewrite.fp8_gather import SLICE
 
 REDUCE_SCATTER = "torch_reduce_scatter_prim_impl"
 DIVIDE = "true_divide"

@@ -37,12 +37,11 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
+from thunder_fp8shard.analysis.replication import ALL_GATHER, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather
 
-ALL_GATHER = "torch_all_gather_prim_impl"
-WAIT = "torch_wait_prim_impl"
 SLICE = "torch_slice_prim_impl"
 TE_LINEAR_FWD = "te_functional_linear_fwd"
 TE_QUANTIZERS = "get_te_fp8_quantizers"

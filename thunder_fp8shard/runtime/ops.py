@@ -167,8 +167,6 @@ class SourceRestorer:
         like = torch.empty(tuple(member.shape), dtype=dtypes.to_torch_dtype(member.dtype), device="meta")
         return cls(_bucket_restore(bucket_layout([like.nbytes], k), [_PLAIN], [1], [like]))
 
-    taken = False  # never used up
-
     def restore(self, buf: torch.Tensor) -> tuple:
         return self._restore(buf, [None])
 
