@@ -116,6 +116,7 @@ def test_gathered_weights_whose_shard_is_the_parameter_are_exact_and_keep_no_cop
         assert mismatches(base, shard) == [], f"rank {rank}"
         for step_grads in shard.grads:
             assert all(g.abs().sum() > 0 for g in step_grads.values()), "a compared gradient is zero: the check is void"
+    assert not torch.equal(results[0][0].losses[0], results[1][0].losses[0])  # the ranks saw different data
     _check_saved_bytes_drop_as_planned(results)  # the saved parameter shard counted as saved_tensors_hooks sees it
     plan = results[0][1].plans[0]
     # the all-gathered weights of even rows (the model's other fp32 tensors of their shapes are computed from them)
