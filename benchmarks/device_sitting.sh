@@ -189,6 +189,23 @@ bf16_32_own() {  # s11: bf16 "all" with the gathered weights' shards their param
     --one-model -- $FLAGS --n_layers=32
 }
 
+# 2026-12-03, third session: may reschedule be on by default? Timed, one model, against the same pass without it
+RESCHED_DEFAULT='{"without": null, "null": null, "default": {"optimizer_states": 2},
+  "resched": {"optimizer_states": 2, "reschedule": true}}'
+
+resched_fp8_32() {  # s13: FP8, 32 layers, no checkpointing: the default with and without reschedule (timed alone)
+  paired resched_fp8_l32_n8 "$RESCHED_DEFAULT" 40 --one-model -- $FLAGS $FP8 --n_layers=32
+}
+
+resched_ckpt_then_bf16_32() {  # s13: checkpointed FP8 "all" with and without reschedule (timed), then bf16 "all" the same
+  paired resched_ckpt_fp8_l32_n8 '{"without": null, "null": null, "all": {"optimizer_states": 2, "candidates": "all"},
+    "resched": {"optimizer_states": 2, "candidates": "all", "reschedule": true}}' 40 --one-model -- \
+    $FLAGS $FP8 --n_layers=32 --checkpoint_activations=True
+  touch "$R/busy/$JOB"
+  paired resched_bf16_l32_n8 '{"without": null, "all": {"optimizer_states": 2, "candidates": "all"},
+    "resched": {"optimizer_states": 2, "candidates": "all", "reschedule": true}}' 40 --one-model -- $FLAGS --n_layers=32
+}
+
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -205,7 +222,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again ckpt_resched "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again ckpt_resched "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -234,7 +251,9 @@ case "${1:-}" in
       s11) export GPU_TEST_WORKERS=6; launch gpu_tests ckpt_resched_chain bf16_32_own; echo 6 > "$R/logs/expected" ;;
       # s11's machine went back before its last runs were collected: those two again
       s12) launch ckpt_resched_32_bf16 bf16_32_own; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10|s11|s12"; exit 2 ;;
+      # 2026-12-03, third session: reschedule timed (on by default?) and the GPU module on the final pass
+      s13) export GPU_TEST_WORKERS=6; launch gpu_tests resched_fp8_32 resched_ckpt_then_bf16_32; echo 4 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10|s11|s12|s13"; exit 2 ;;
     esac
     echo started ;;
   collect)
