@@ -286,18 +286,25 @@ def test_llama_te_fsdp2_under_thunderfx_bitwise():
                                                     "sharded": with_[0]["sharded_total"]}))
 
 
-@pytest.mark.parametrize("setup", ["zero3", "zero2", "ddp", "fsdp2"])
+@pytest.mark.parametrize("setup", ["zero3", "zero2", "ddp", "fsdp2", "zero3_bf16_all"])
 def test_llama_te_device_peak_falls_as_planned_under_the_fake_process_group(setup):
     """Rank 0 of 2 under torch's fake process group (memory as on two GPUs, the pass's all-gathers copies on the
     compute stream; see the module's docstring for why not gloo): the forward+backward peak (``max_memory_allocated``,
     the steps after the first) falls by at least 90% of the plan's predicted reduction, and never rises. Under FSDP2
     no plan sees the step (one a subgraph, see the README), so no reduction of the step's peak is predicted: there it
     must fall, and never rise; what share of the plans' saved-bytes reduction (each counted once per run) it reached
-    is reported (on the H200, 2026-12-02: 78%; where in the step the peak fell was not measured)."""
-    cfg = dict(SMALL, setup=setup, return_grads=False)
+    is reported (on the H200, 2026-12-02: 78%; where in the step the peak fell was not measured). ``zero3_bf16_all``:
+    bf16 without TE, ``candidates="all"``, where the saved gathered weights' shards are their parameter shards (no
+    copy kept, analysis.own_shards)."""
+    if setup == "zero3_bf16_all":  # bf16 without TE, candidates="all": the gathered weights' shards are their own
+        cfg = dict(SMALL, setup="zero3", te=False, extra={"candidates": "all"}, return_grads=False)
+    else:
+        cfg = dict(SMALL, setup=setup, return_grads=False)
     without = run_simulated(bench.run_rank, 2, bench.RunConfig(**cfg, shard=False))
     with_ = run_simulated(bench.run_rank, 2, bench.RunConfig(**cfg, shard=True))
     plan = with_["plan"]
+    if setup == "zero3_bf16_all":  # the own-shard path (analysis.own_shards): no copy kept, the peak still falls
+        assert any(d["shard_source"] for d in plan["decisions"]), plan["text"]
     if setup == "fsdp2":
         predicted = None
         saved_reduction = with_["predicted_saving_total"]
