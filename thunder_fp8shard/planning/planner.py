@@ -195,8 +195,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
         if target is not None and unknown:
             notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
                          "size): the step can exceed it by that much")
-    final = [d if d.name not in refused else
-             replace(d, sharded=False, shard_nbytes=0, shard_source="", reason=refused[d.name]) for d in sound]
+    final = [d if d.name not in refused else _not_sharded(d, refused[d.name]) for d in sound]
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
                              compactions=taken, **sched)
@@ -326,8 +325,7 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
                     changed = True
         if not changed:
             break
-        decisions = [d if d.name not in dropped or not d.sharded else
-                     replace(d, sharded=False, shard_nbytes=0, shard_source="", reason=dropped[d.name])
+        decisions = [d if d.name not in dropped or not d.sharded else _not_sharded(d, dropped[d.name])
                      for d in decisions]
         taken = [c for c in compactions if c.compacted and c.storage not in undone]
         buckets = grouping.group([d for d in decisions if d.sharded], model, bucket_bytes=options.bucket_bytes,
@@ -398,6 +396,11 @@ def least_traffic(base, target: int, items) -> int | None:
 def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) -> list[str]:
     life = model.lives[model.placements[c.name].life]
     return sorted(m for m in life.members if m != c.name and m in saved_names)
+
+
+def _not_sharded(d: Decision, why: str) -> Decision:
+    """``d`` left out after all (a choice or the never-worse rule), with why: nothing of its shard remains."""
+    return replace(d, sharded=False, shard_nbytes=0, shard_source="", reason=why)
 
 
 def _decision(c: Candidate, replicated: bool, k: int, refused: str | None, storage_nbytes: int,
