@@ -15,9 +15,13 @@ its paired differences (each of its iterations minus the base iteration beside i
 of the base's median, with a bootstrap 95% CI over the quads; the CPU time's overhead likewise. An arm without the
 pass (``null``) is the A/A check of the instrument: its CI must contain 0.
 
-Ranks: ``--simulate N`` makes this one process rank 0 of N in torch's fake process group (collectives return at once,
+Ranks: ``--simulate N`` makes this one process rank 0 of N in torch's fake process group (nothing is communicated,
 so the times have **no communication** in them, and the memory is rank 0's); without it, run under ``torchrun`` with
-NCCL, one GPU a rank (every rank runs the same schedule; rank 0 writes).
+NCCL, one GPU a rank (every rank runs the same schedule; rank 0 writes). Simulated, every collective of the step
+(FSDP's, TE's amax all-reduces, the pass's) writes its output with one kernel on the current stream, as NCCL launches
+one (``--sim-collectives one-kernel``, :mod:`benchlib.collectives`); ``--sim-collectives fake-group`` keeps the fake
+group's own (an all-gather N copies, an all-reduce or a reduce-scatter nothing). The JSON's ``"sim_collectives"``
+says which ran.
 
 An arm's options may name a git ``"revision"``: that arm runs that revision's pass (its package extracted with
 ``git archive`` and imported under another name beside this checkout's), so two versions of the pass are compared in
@@ -334,14 +338,22 @@ def alternate(torch, arms: list[Arm], drawn: list, gc_log: GcLog, args) -> list[
 
 def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profile, dist, world_size: int) -> dict:
     """The fields every comparison of the run shares: the setup, the design, the arms, the records, the profile."""
+    from benchlib import collectives
+
     if args.simulate:
-        communication = "none (simulated ranks: torch's fake process group)" + (
-            "; the pass's all-gathers keep NCCL's stream protocol (--comm-stream): the fake group's copies on a side "
-            "stream" if args.comm_stream else "; the fake group's all-gather copies run on the compute stream")
+        communication = "none (simulated ranks: torch's fake process group" + (
+            "; every collective one kernel on the current stream, --sim-collectives one-kernel)"
+            if args.sim_collectives == "one-kernel" else
+            "; its own collectives, --sim-collectives fake-group: N copies an all-gather, nothing for the others)") + (
+            "; the pass's all-gathers keep NCCL's stream protocol (--comm-stream): their copies on a side stream"
+            if args.comm_stream else "; the all-gathers' copies run on the compute stream")
     else:
         communication = f"{dist.get_backend() if dist.is_initialized() else 'none'}, {world_size} ranks"
     return {
         "kind": "paired", "simulated": bool(args.simulate), "world_size": world_size, "communication": communication,
+        "sim_collectives": args.sim_collectives if args.simulate else None,
+        "sim_collective_calls": dict(collectives.calls) if args.simulate and args.sim_collectives == "one-kernel"
+        else None,
         "n_layers": int(flag(flags, "n_layers", 0)) or None, "low_precision_mode": flag(flags, "low_precision_mode", "none"),
         "model_name": flag(flags, "model_name"), "flags": flags, "device": device_name(),
         "launch": " ".join([os.path.basename(sys.executable), *sys.argv]), "started": args.started,
@@ -398,7 +410,7 @@ def harness(args):
     """Thunder's benchmark module (``bl``), imported under the run's patches (simulated ranks, the CPU, the pass's
     gathers on a side stream), with torch and torch.distributed."""
     if args.simulate:
-        simulate(args.simulate)
+        simulate(args.simulate, args.sim_collectives)
     if args.device == "cpu":
         on_the_cpu()
     import torch
@@ -499,6 +511,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default='{"without": null, "with": {}}',
                    help="JSON object: arm name -> ShardIntermediates options, or null for no pass; the first is the base")
     p.add_argument("--simulate", type=int, default=0, metavar="N", help="rank 0 of N in torch's fake process group")
+    p.add_argument("--sim-collectives", choices=("one-kernel", "fake-group"), default="one-kernel",
+                   help="with --simulate: one-kernel (default), every collective of the step one kernel on the current "
+                        "stream, as NCCL launches one (benchlib/collectives.py); fake-group, the fake group's own (an "
+                        "all-gather N copies, an all-reduce or reduce-scatter nothing)")
     p.add_argument("--comm-stream", action="store_true",
                    help="with --simulate on CUDA: the pass's all-gathers run as ProcessGroupNCCL runs them, on a "
                         "stream of their own (the fake group otherwise copies on the compute stream)")

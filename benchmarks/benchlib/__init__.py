@@ -3,6 +3,7 @@
 - ``stats``: the ABBA schedule and the paired statistics (pure; tested on the CPU).
 - ``patches``: the patches to Thunder's ``benchmark_litgpt`` (simulated ranks, the CPU, the pass appended to
   ``thunder.jit`` / ``ThunderCompiler``, the pass's gathers on a side stream).
+- ``collectives``: simulated collectives of one kernel each (``--sim-collectives one-kernel``).
 - ``revisions``: another git revision's pass imported beside this checkout's.
 - ``steps``: the measured training step (batches, ``step``, the GC log, allocator counters, one timed iteration,
   profiled iterations).
