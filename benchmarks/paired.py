@@ -23,6 +23,12 @@ one (``--sim-collectives one-kernel``, :mod:`benchlib.collectives`); ``--sim-col
 group's own (an all-gather N copies, an all-reduce or a reduce-scatter nothing). The JSON's ``"sim_collectives"``
 says which ran.
 
+Where the pass's CPU goes (``--decompose-iters K``, default 5): after the timed iterations, K more rounds of each arm,
+the pass's operators and the Thunder operators it replaces or adds to timed inside the compiled programs
+(:mod:`benchlib.op_timer`); each comparison's ``"pass_cpu"`` and ``"pass_cpu_ms_per_step"``: the net CPU ms a step
+the pass adds on those operators (the arm's ms a step less the base's, summed), the gross (its own operators alone),
+and the breakdown by operator (``benchmarks/pass_cpu.py`` prints them).
+
 An arm's options may name a git ``"revision"``: that arm runs that revision's pass (its package extracted with
 ``git archive`` and imported under another name beside this checkout's), so two versions of the pass are compared in
 one process. ``"budget_below_base_bytes": B`` (with ``"policy": "budget"``, on CUDA) sets the arm's ``budget_bytes``
@@ -68,7 +74,7 @@ from benchlib import ROOT, shared_compile
 from benchlib.patches import on_the_cpu, pass_appended, pass_gathers_on_their_own_stream, simulate
 from benchlib.reporting import accuracy_reports, device_name, flag, plan_summary, results_table, split_argv
 from benchlib.revisions import import_revision
-from benchlib.stats import compare, quad_schedule
+from benchlib.stats import compare, op_summary, pass_cpu, quad_schedule
 from benchlib.steps import GcLog, batches, profile_steps, step, timed_iteration
 
 # ---- the arms -------------------------------------------------------------------------------------------------------
@@ -333,11 +339,42 @@ def alternate(torch, arms: list[Arm], drawn: list, gc_log: GcLog, args) -> list[
     return records
 
 
+def operator_cpu(arms: list[Arm], drawn: list, args) -> dict:
+    """``--decompose-iters K``: after the timed iterations, K rounds of one iteration of each arm in turn (the odd
+    rounds in reverse order; ``--one-model``: its programs activated before each, as in the timed loop), with the
+    operators of :func:`benchlib.op_timer.names` timed in its compiled programs (wrapped before each iteration,
+    unwrapped afterwards). Per arm: each operator's calls and CPU ms a step (:func:`benchlib.stats.op_summary`), the
+    step's CPU ms, and how many operator names its programs have wrapped (0: none found, e.g. under ThunderFX)."""
+    from benchlib import op_timer
+
+    timer = op_timer.OpTimer(op_timer.names())
+    its, cpu, wrapped = ({a.name: [] for a in arms} for _ in range(3))
+    floor = op_timer.floor_ns()
+    try:
+        for i in range(args.decompose_iters):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                if args.one_model:
+                    _activate(arms[0], arm)
+                wrapped[arm.name].append(timer.install(op_timer.programs(arm.bench.model)))
+                timer.take()
+                c0 = time.process_time()
+                step(arm.bench, drawn[i % len(drawn)])
+                cpu[arm.name].append((time.process_time() - c0) * 1e3)
+                its[arm.name].append(timer.take())
+    finally:
+        timer.uninstall()
+    return {"iterations": args.decompose_iters, "timer_floor_ns_per_call": floor,
+            "arms": {a.name: {"operators": op_summary(its[a.name]), "step_cpu_ms": float(np.mean(cpu[a.name])),
+                              "names_wrapped": max(wrapped[a.name])} for a in arms}}
+
+
 # ---- the results ----------------------------------------------------------------------------------------------------
 
 
-def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profile, dist, world_size: int) -> dict:
-    """The fields every comparison of the run shares: the setup, the design, the arms, the records, the profile."""
+def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profile, op_cpu, dist,
+             world_size: int) -> dict:
+    """The fields every comparison of the run shares: the setup, the design, the arms, the records, the profile, the
+    operators' CPU (:func:`operator_cpu`)."""
     from benchlib import collectives
 
     if args.simulate:
@@ -366,7 +403,7 @@ def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profi
                   "resident_GB": a.resident_bytes / 1e9,
                   "alone_peak_GB": None if a.alone_peak_bytes is None else a.alone_peak_bytes / 1e9,
                   "notes": a.notes, "plan": plan_summary(a.shard)} for a in arms],
-        "records": records, "profile": profile,
+        "records": records, "profile": profile, "op_cpu": op_cpu,
     }
 
 
@@ -376,6 +413,11 @@ def comparison(common: dict, arms: list[Arm], k: int, records: list[dict]) -> di
     arm = arms[k]
     res = dict(common, arm=arm.name, base=arms[0].name, options=arm.options, revision=arm.revision,
                null=arm.options is None, **compare(records, k))
+    ops = (common["op_cpu"] or {}).get("arms", {})
+    if all(ops.get(a.name, {}).get("names_wrapped") for a in (arms[0], arm)):  # a null arm's: the A/A check
+        res["pass_cpu"] = pass_cpu(ops[arms[0].name]["operators"], ops[arm.name]["operators"],
+                                   common["op_cpu"]["iterations"])
+        res["pass_cpu_ms_per_step"] = res["pass_cpu"]["net_ms_per_step"]
     plan = plan_summary(arm.shard)
     if not plan:
         return res
@@ -471,6 +513,7 @@ def run(args, flags: list[str]) -> list[dict]:
     arms = [a for a in arms if not a.failed]
     with exclusive(args.gpu_lock, args.busy):
         records = alternate(torch, arms, drawn, gc_log, args)
+        op_cpu = operator_cpu(arms, drawn, args) if args.decompose_iters > 0 else None
         profile = None
         if args.profile:
             before = {a.name: (lambda a=a: _activate(arms[0], a)) for a in arms} if args.one_model else None
@@ -479,7 +522,7 @@ def run(args, flags: list[str]) -> list[dict]:
     gc.callbacks.remove(gc_log)
     if rank != 0:
         return []
-    common = describe(args, flags, arms, records, profile, dist, world_size)
+    common = describe(args, flags, arms, records, profile, op_cpu, dist, world_size)
     common["failed_arms"] = [{"name": a.name, "options": a.options, "failed": a.failed, "notes": a.notes}
                              for a in failed]
     return [comparison(common, arms, k, records) for k in range(1, len(arms))]
@@ -515,9 +558,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --simulate: one-kernel (default), every collective of the step one kernel on the current "
                         "stream, as NCCL launches one (benchlib/collectives.py); fake-group, the fake group's own (an "
                         "all-gather N copies, an all-reduce or reduce-scatter nothing)")
+    p.add_argument("--decompose-iters", type=int, default=5, metavar="K",
+                   help="after the timed iterations, K rounds of one iteration of each arm with the pass's operators "
+                        "and Thunder's it replaces timed in the compiled programs: the JSON's op_cpu, pass_cpu and "
+                        "pass_cpu_ms_per_step (benchlib/op_timer.py; 0: none)")
     p.add_argument("--comm-stream", action="store_true",
                    help="with --simulate on CUDA: the pass's all-gathers run as ProcessGroupNCCL runs them, on a "
-                        "stream of their own (the fake group otherwise copies on the compute stream)")
+                        "stream of their own (otherwise the simulated all-gather writes on the compute stream)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: Thunder's benchmark on the CPU (small configs; the pass's CPU cost in a whole step)")
     p.add_argument("--timed", type=int, default=100, help="timed iterations per arm (even)")
