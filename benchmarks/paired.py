@@ -15,9 +15,19 @@ its paired differences (each of its iterations minus the base iteration beside i
 of the base's median, with a bootstrap 95% CI over the quads; the CPU time's overhead likewise. An arm without the
 pass (``null``) is the A/A check of the instrument: its CI must contain 0.
 
-Ranks: ``--simulate N`` makes this one process rank 0 of N in torch's fake process group (collectives return at once,
+Ranks: ``--simulate N`` makes this one process rank 0 of N in torch's fake process group (nothing is communicated,
 so the times have **no communication** in them, and the memory is rank 0's); without it, run under ``torchrun`` with
-NCCL, one GPU a rank (every rank runs the same schedule; rank 0 writes).
+NCCL, one GPU a rank (every rank runs the same schedule; rank 0 writes). Simulated, every collective of the step
+(FSDP's, TE's amax all-reduces, the pass's) writes its output with one kernel on the current stream, as NCCL launches
+one (``--sim-collectives one-kernel``, :mod:`benchlib.collectives`); ``--sim-collectives fake-group`` keeps the fake
+group's own (an all-gather N copies, an all-reduce or a reduce-scatter nothing). The JSON's ``"sim_collectives"``
+says which ran.
+
+Where the pass's CPU goes (``--decompose-iters K``, default 5): after the timed iterations, K more rounds of each arm,
+the pass's operators and the Thunder operators it replaces or adds to timed inside the compiled programs
+(:mod:`benchlib.op_timer`); each comparison's ``"pass_cpu"`` and ``"pass_cpu_ms_per_step"``: the net CPU ms a step
+the pass adds on those operators (the arm's ms a step less the base's, summed), the gross (its own operators alone),
+and the breakdown by operator (``benchmarks/pass_cpu.py`` prints them).
 
 An arm's options may name a git ``"revision"``: that arm runs that revision's pass (its package extracted with
 ``git archive`` and imported under another name beside this checkout's), so two versions of the pass are compared in
@@ -64,7 +74,7 @@ from benchlib import ROOT, shared_compile
 from benchlib.patches import on_the_cpu, pass_appended, pass_gathers_on_their_own_stream, simulate
 from benchlib.reporting import accuracy_reports, device_name, flag, plan_summary, results_table, split_argv
 from benchlib.revisions import import_revision
-from benchlib.stats import compare, quad_schedule
+from benchlib.stats import compare, op_summary, pass_cpu, quad_schedule
 from benchlib.steps import GcLog, batches, profile_steps, step, timed_iteration
 
 # ---- the arms -------------------------------------------------------------------------------------------------------
@@ -329,19 +339,58 @@ def alternate(torch, arms: list[Arm], drawn: list, gc_log: GcLog, args) -> list[
     return records
 
 
+def operator_cpu(arms: list[Arm], drawn: list, args) -> dict:
+    """``--decompose-iters K``: after the timed iterations, K rounds of one iteration of each arm in turn (the odd
+    rounds in reverse order; ``--one-model``: its programs activated before each, as in the timed loop), with the
+    operators of :func:`benchlib.op_timer.names` timed in its compiled programs (wrapped before each iteration,
+    unwrapped afterwards). Per arm: each operator's calls and CPU ms a step (:func:`benchlib.stats.op_summary`), the
+    step's CPU ms, and how many operator names its programs have wrapped (0: none found, e.g. under ThunderFX)."""
+    from benchlib import op_timer
+
+    timer = op_timer.OpTimer(op_timer.names())
+    its, cpu, wrapped = ({a.name: [] for a in arms} for _ in range(3))
+    floor = op_timer.floor_ns()
+    try:
+        for i in range(args.decompose_iters):
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                if args.one_model:
+                    _activate(arms[0], arm)
+                wrapped[arm.name].append(timer.install(op_timer.programs(arm.bench.model)))
+                timer.take()
+                c0 = time.process_time()
+                step(arm.bench, drawn[i % len(drawn)])
+                cpu[arm.name].append((time.process_time() - c0) * 1e3)
+                its[arm.name].append(timer.take())
+    finally:
+        timer.uninstall()
+    return {"iterations": args.decompose_iters, "timer_floor_ns_per_call": floor,
+            "arms": {a.name: {"operators": op_summary(its[a.name]), "step_cpu_ms": float(np.mean(cpu[a.name])),
+                              "names_wrapped": max(wrapped[a.name])} for a in arms}}
+
+
 # ---- the results ----------------------------------------------------------------------------------------------------
 
 
-def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profile, dist, world_size: int) -> dict:
-    """The fields every comparison of the run shares: the setup, the design, the arms, the records, the profile."""
+def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profile, op_cpu, dist,
+             world_size: int) -> dict:
+    """The fields every comparison of the run shares: the setup, the design, the arms, the records, the profile, the
+    operators' CPU (:func:`operator_cpu`)."""
+    from benchlib import collectives
+
     if args.simulate:
-        communication = "none (simulated ranks: torch's fake process group)" + (
-            "; the pass's all-gathers keep NCCL's stream protocol (--comm-stream): the fake group's copies on a side "
-            "stream" if args.comm_stream else "; the fake group's all-gather copies run on the compute stream")
+        communication = "none (simulated ranks: torch's fake process group" + (
+            "; every collective one kernel on the current stream, --sim-collectives one-kernel)"
+            if args.sim_collectives == "one-kernel" else
+            "; its own collectives, --sim-collectives fake-group: N copies an all-gather, nothing for the others)") + (
+            "; the pass's all-gathers keep NCCL's stream protocol (--comm-stream): their copies on a side stream"
+            if args.comm_stream else "; the all-gathers' copies run on the compute stream")
     else:
         communication = f"{dist.get_backend() if dist.is_initialized() else 'none'}, {world_size} ranks"
     return {
         "kind": "paired", "simulated": bool(args.simulate), "world_size": world_size, "communication": communication,
+        "sim_collectives": args.sim_collectives if args.simulate else None,
+        "sim_collective_calls": dict(collectives.calls) if args.simulate and args.sim_collectives == "one-kernel"
+        else None,
         "n_layers": int(flag(flags, "n_layers", 0)) or None, "low_precision_mode": flag(flags, "low_precision_mode", "none"),
         "model_name": flag(flags, "model_name"), "flags": flags, "device": device_name(),
         "launch": " ".join([os.path.basename(sys.executable), *sys.argv]), "started": args.started,
@@ -354,7 +403,7 @@ def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profi
                   "resident_GB": a.resident_bytes / 1e9,
                   "alone_peak_GB": None if a.alone_peak_bytes is None else a.alone_peak_bytes / 1e9,
                   "notes": a.notes, "plan": plan_summary(a.shard)} for a in arms],
-        "records": records, "profile": profile,
+        "records": records, "profile": profile, "op_cpu": op_cpu,
     }
 
 
@@ -364,6 +413,11 @@ def comparison(common: dict, arms: list[Arm], k: int, records: list[dict]) -> di
     arm = arms[k]
     res = dict(common, arm=arm.name, base=arms[0].name, options=arm.options, revision=arm.revision,
                null=arm.options is None, **compare(records, k))
+    ops = (common["op_cpu"] or {}).get("arms", {})
+    if all(ops.get(a.name, {}).get("names_wrapped") for a in (arms[0], arm)):  # a null arm's: the A/A check
+        res["pass_cpu"] = pass_cpu(ops[arms[0].name]["operators"], ops[arm.name]["operators"],
+                                   common["op_cpu"]["iterations"])
+        res["pass_cpu_ms_per_step"] = res["pass_cpu"]["net_ms_per_step"]
     plan = plan_summary(arm.shard)
     if not plan:
         return res
@@ -398,7 +452,7 @@ def harness(args):
     """Thunder's benchmark module (``bl``), imported under the run's patches (simulated ranks, the CPU, the pass's
     gathers on a side stream), with torch and torch.distributed."""
     if args.simulate:
-        simulate(args.simulate)
+        simulate(args.simulate, args.sim_collectives)
     if args.device == "cpu":
         on_the_cpu()
     import torch
@@ -459,6 +513,7 @@ def run(args, flags: list[str]) -> list[dict]:
     arms = [a for a in arms if not a.failed]
     with exclusive(args.gpu_lock, args.busy):
         records = alternate(torch, arms, drawn, gc_log, args)
+        op_cpu = operator_cpu(arms, drawn, args) if args.decompose_iters > 0 else None
         profile = None
         if args.profile:
             before = {a.name: (lambda a=a: _activate(arms[0], a)) for a in arms} if args.one_model else None
@@ -467,7 +522,7 @@ def run(args, flags: list[str]) -> list[dict]:
     gc.callbacks.remove(gc_log)
     if rank != 0:
         return []
-    common = describe(args, flags, arms, records, profile, dist, world_size)
+    common = describe(args, flags, arms, records, profile, op_cpu, dist, world_size)
     common["failed_arms"] = [{"name": a.name, "options": a.options, "failed": a.failed, "notes": a.notes}
                              for a in failed]
     return [comparison(common, arms, k, records) for k in range(1, len(arms))]
@@ -499,9 +554,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default='{"without": null, "with": {}}',
                    help="JSON object: arm name -> ShardIntermediates options, or null for no pass; the first is the base")
     p.add_argument("--simulate", type=int, default=0, metavar="N", help="rank 0 of N in torch's fake process group")
+    p.add_argument("--sim-collectives", choices=("one-kernel", "fake-group"), default="one-kernel",
+                   help="with --simulate: one-kernel (default), every collective of the step one kernel on the current "
+                        "stream, as NCCL launches one (benchlib/collectives.py); fake-group, the fake group's own (an "
+                        "all-gather N copies, an all-reduce or reduce-scatter nothing)")
+    p.add_argument("--decompose-iters", type=int, default=5, metavar="K",
+                   help="after the timed iterations, K rounds of one iteration of each arm with the pass's operators "
+                        "and Thunder's it replaces timed in the compiled programs: the JSON's op_cpu, pass_cpu and "
+                        "pass_cpu_ms_per_step (benchlib/op_timer.py; 0: none)")
     p.add_argument("--comm-stream", action="store_true",
                    help="with --simulate on CUDA: the pass's all-gathers run as ProcessGroupNCCL runs them, on a "
-                        "stream of their own (the fake group otherwise copies on the compute stream)")
+                        "stream of their own (otherwise the simulated all-gather writes on the compute stream)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: Thunder's benchmark on the CPU (small configs; the pass's CPU cost in a whole step)")
     p.add_argument("--timed", type=int, default=100, help="timed iterations per arm (even)")

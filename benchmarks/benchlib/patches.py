@@ -21,11 +21,20 @@ def on_the_cpu() -> None:
     thunder.distributed.fsdp = functools.partial(thunder.distributed.fsdp, device=torch.device("cpu"))
 
 
-def simulate(world_size: int) -> None:
+def simulate(world_size: int, collectives: str = "one-kernel") -> None:
     """Rank 0 of ``world_size`` in torch's fake process group: Thunder's benchmark module initializes NCCL when it is
-    imported; that call joins the fake group instead."""
+    imported; that call joins the fake group instead. ``collectives``: ``"one-kernel"``, each collective one kernel
+    (:mod:`benchlib.collectives`), or ``"fake-group"``, the fake group's own (N copies an all-gather, nothing for the
+    others)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchlib import collectives as sim
+
+    if collectives not in sim.MODES:
+        raise ValueError(f"collectives: one of {sim.MODES}, got {collectives!r}")
+    if collectives == "one-kernel":
+        sim.install()
 
     os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     real = dist.init_process_group
@@ -40,10 +49,10 @@ def simulate(world_size: int) -> None:
 def pass_gathers_on_their_own_stream() -> None:
     """``--comm-stream``: the pass's all-gathers keep ProcessGroupNCCL's stream protocol over the fake group.
 
-    The fake group's all-gather copies the input into each of the N chunks of the output on the *current* stream, so
+    The simulated all-gather (one kernel, or the fake group's N copies) writes the output on the *current* stream, so
     under ``--simulate`` the pass's gathers (the whole gathered bytes of every bucket, a step) run on the compute stream,
     in a backward that keeps the GPU busy; NCCL runs them on a stream of its own, which first waits for the compute
-    stream, and ``wait()`` makes the compute stream wait for it. This does the same around the fake group's call: the
+    stream, and ``wait()`` makes the compute stream wait for it. This does the same around the group's call: the
     output is allocated on the compute stream, as the pass does, the copies run on a side stream, and the handle's
     ``wait`` is a stream wait. The bytes the copies write are the gathered buffer's, as NCCL's are. Only the pass's
     operators (``thunder_fp8shard.runtime.ops``) are patched; FSDP's own gathers stay on the compute stream on every arm."""

@@ -1,5 +1,6 @@
 """The paired benchmark's schedule and statistics (pure; tested on the CPU): ABBA quads against the base arm, each
-iteration of an arm paired with the base iteration beside it, the overhead as a median with a bootstrap CI over quads."""
+iteration of an arm paired with the base iteration beside it, the overhead as a median with a bootstrap CI over quads;
+and the per-step CPU of the operators ``benchlib.op_timer`` timed, with the pass's share of it against the base."""
 
 from __future__ import annotations
 
@@ -69,3 +70,36 @@ def compare(records: list[dict], arm: int) -> dict:
         out[f"{key}_per_iteration"] = {"arm": float(np.mean(mine)) if mine else None,
                                       "base": float(np.mean(base)) if base else None}
     return out
+
+
+# ---- the CPU of chosen operators a step (benchlib.op_timer), and the pass's share of it ----------------------------
+
+PASS_PREFIX = "fp8shard"  # the pass's operators (and another revision's, fp8shard_rev_*)
+
+
+def op_summary(iterations: list[dict]) -> dict:
+    """Per operator over ``iterations`` (each ``name -> (calls, self ns)``): calls a step (mean) and CPU ms a step
+    (mean, min, max; an iteration without the operator counts 0)."""
+    out = {}
+    for name in sorted({n for it in iterations for n in it}):
+        calls = [it.get(name, (0, 0))[0] for it in iterations]
+        ms = [it.get(name, (0, 0))[1] / 1e6 for it in iterations]
+        out[name] = {"calls": float(np.mean(calls)), "ms": float(np.mean(ms)), "ms_min": min(ms), "ms_max": max(ms)}
+    return out
+
+
+def pass_cpu(base: dict, arm: dict, iterations: int) -> dict:
+    """The CPU a step of ``arm`` spends on the timed operators, net of the base's (two :func:`op_summary` results):
+    ``net_ms_per_step`` sums each operator's ms a step in the arm less the base's (the CPU the pass adds where it
+    changed the program: its own operators, and Thunder's it replaced or left), ``gross_ms_per_step`` the pass's own
+    operators' alone; ``by_operator`` both sides' calls and ms a step and the difference, largest first."""
+    zero = {"calls": 0.0, "ms": 0.0}
+    rows = []
+    for name in sorted(set(base) | set(arm)):
+        b, a = base.get(name, zero), arm.get(name, zero)
+        rows.append({"operator": name, "pass": name.startswith(PASS_PREFIX), "arm_calls": a["calls"],
+                     "arm_ms": a["ms"], "base_calls": b["calls"], "base_ms": b["ms"], "diff_ms": a["ms"] - b["ms"]})
+    rows.sort(key=lambda r: -abs(r["diff_ms"]))
+    return {"net_ms_per_step": sum(r["diff_ms"] for r in rows),
+            "gross_ms_per_step": sum(r["arm_ms"] for r in rows if r["pass"]), "iterations": iterations,
+            "by_operator": rows}
