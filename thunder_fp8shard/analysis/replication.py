@@ -1,10 +1,12 @@
 """Replication analysis: which proxies of a forward trace hold the same value on every rank of a process group.
 
 A pure function over the trace's data flow. A value is *replicated* when it is an all-gather over the group, or is
-produced by an operation this analysis understands to be deterministic from replicated inputs and constants only.
-Everything else is *per-rank*, with the reason traced back to its origin: the rank's own inputs and parameter
-shards, random numbers, operations whose results may differ bit-wise between runs, collectives over other groups,
-and any operation the analysis does not understand.
+produced by an operation this analysis understands to be deterministic from replicated inputs and constants only,
+with a shape those inputs set. Everything else is *per-rank*, with the reason traced back to its origin: the rank's
+own inputs and parameter shards, random numbers, operations whose results may differ bit-wise between runs,
+collectives over other groups, any operation the analysis does not understand, and shapes the program's constants
+set (a slice, a broadcast, a factory): ranks compile their own programs for their own input shapes, so such a
+tensor (``cos[:T]``, ``ones(T, T)``) is another tensor on a rank whose ``T`` differs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import DistParallelType, Proxy
+from thunder.core.proxies import DistParallelType, Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
@@ -34,6 +36,13 @@ _OTHER_COLLECTIVES = ("torch_all_reduce", "torch_reduce_scatter", "torch_broadca
 WAIT = "torch_wait_prim_impl"
 TE_LINEAR_FWD = "te_functional_linear_fwd"
 TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
+SLICE = "torch_slice_prim_impl"  # Thunder FSDP's unpad slice of a gathered parameter
+# operators whose output shape the program's constants can set (not their tensor inputs' shapes alone)
+_SHAPING_PRIMS = {PrimIDs.FULL, PrimIDs.IOTA, PrimIDs.TENSOR_FROM_SEQUENCE, PrimIDs.BROADCAST_IN_DIM, PrimIDs.SLICE,
+                  PrimIDs.UNFOLD, PrimIDs.TAKE, PrimIDs.TAKE_ALONG_AXIS, PrimIDs.GATHER, PrimIDs.PAD, PrimIDs.TOPK}
+_SHAPING_NAMES = {"split", "chunk", "tensor_split", "unbind", "getitem", "narrow", "select", "expand", "expand_as",
+                  "broadcast_to", "repeat", "tile", "index_select", "gather", "take_along_dim", "full", "zeros",
+                  "ones", "arange", "pad", "unfold", "as_strided", "diagonal", "topk"}
 
 
 @dataclass(frozen=True)
@@ -76,10 +85,13 @@ def analyze_replication(
             return None
         return per_rank.get(p.name, f"`{p.name}` comes from outside the trace")
 
+    waited: set[str] = set()  # all-gathered parameters
     for bsym in trace.bound_symbols:
         if not is_compute(bsym):  # not a real op: it makes no value
             continue
-        for out, why in _verdicts(bsym, group, origin):
+        if bsym.sym.name == WAIT:
+            waited.update(p.name for p in bsym.flat_proxy_outs)
+        for out, why in _verdicts(bsym, group, origin, waited):
             if why is None:
                 replicated.add(out.name)
             else:
@@ -87,7 +99,7 @@ def analyze_replication(
     return Replication(frozenset(replicated), per_rank)
 
 
-def _verdicts(bsym: BoundSymbol, group, origin):
+def _verdicts(bsym: BoundSymbol, group, origin, waited: set[str]):
     """(output proxy, None or reason) for each output of ``bsym``."""
     outs = list(bsym.flat_proxy_outs)
     name = bsym.sym.name
@@ -109,7 +121,34 @@ def _verdicts(bsym: BoundSymbol, group, origin):
     if problem is not None:
         return [(o, problem) for o in outs]
     why = _first_origin(bsym.flat_proxy_args, origin)
-    return [(o, why) for o in outs]
+    return [(o, why if why is not None else _shaped_by_constants(bsym, o, waited)) for o in outs]
+
+
+def _shaped_by_constants(bsym: BoundSymbol, out, waited: set[str]) -> str | None:
+    """None where ``out``'s shape follows from its tensor inputs' shapes (or it has none: a 0-dim tensor), else why
+    it may differ between compilations. Thunder FSDP's unpad slice of a gathered parameter keeps the parameter's
+    shape."""
+    if not getattr(out, "shape", None):
+        return None
+    tensors = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+    if bsym.sym.name == SLICE and tensors and tensors[0].name in waited:
+        return None
+    shaping = bsym.sym.name if not tensors else _shaping(bsym)
+    if shaping:
+        return (f"a shape the program's constants set (`{shaping}`): it may follow this rank's input shapes, and "
+                "ranks compile their own shapes")
+    return None
+
+
+def _shaping(bsym: BoundSymbol) -> str | None:
+    """The operator that can set an output shape from constants, if any: ``bsym``, or one of the operators a fusion
+    region runs (a composite's own subsymbols take their shapes from its inputs)."""
+    if _prim_id(bsym) in _SHAPING_PRIMS or bsym.sym.name.removeprefix("Tensor.") in _SHAPING_NAMES:
+        return bsym.sym.name
+    if bsym.sym.is_fusion:
+        return next((sub.sym.name for sub in bsym.subsymbols
+                     if _prim_id(sub) in _SHAPING_PRIMS or sub.sym.name in _SHAPING_NAMES), None)
+    return None
 
 
 def _nondeterminism(bsym: BoundSymbol) -> str | None:
