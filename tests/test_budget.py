@@ -17,7 +17,7 @@ from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
 WIDTHS = (25, 61, 47, 7)
-STEPS = (3, 3, 3, 3)  # one input shape: calibrated at the end of the 2nd backward, replanned at the 3rd call
+STEPS = (3, 3, 3, 3)  # one input shape: the 2nd step read, agreed at the 3rd step's forward, replanned at the 4th call
 BASE = RunConfig(widths=WIDTHS, batch_sizes=STEPS, no_grad_call=False,
                  options={"min_bytes": 0, "optimizer_states": 0, "prefetch": 0})
 

@@ -12,7 +12,7 @@ import torch
 from thunder_fp8shard.analysis.liveness import Step, Timeline
 from thunder_fp8shard.plan import MODELLED, Decision, MemoryTerm, ShardPlan
 from thunder_fp8shard.reporting.plan_text import plan_text
-from thunder_fp8shard.runtime.audit import CALIBRATION_CALL, Calibration, SavedAudit, SavedStorage
+from thunder_fp8shard.runtime.audit import CALIBRATION_AT, Calibration, SavedAudit, SavedStorage, StepClock
 from thunder_fp8shard.runtime.run_report import RunReport
 
 STEPS = tuple(Step(i, "forward" if i < 4 else "backward", f"op{i}") for i in range(8))
@@ -47,21 +47,27 @@ def test_the_checks_write_the_report_and_leave_the_plan_as_compiled():
     against the prediction as the audit corrected it; the plan is unchanged throughout."""
     plan, report = _plan(), RunReport()
     compiled = dataclasses.replace(plan)
-    audit = SavedAudit(plan, report, [SavedStorage("t0", (0,), 1000, 2, 5)], ["t0"])
+    clock = StepClock()
+    clock.agree = lambda mine: mine + 10  # another rank read 10 B more
+    audit = SavedAudit(plan, report, [SavedStorage("t0", (0,), 1000, 2, 5)], ["t0"], clock)
     misses = []
-    calibration = Calibration(plan, report, "cuda:0", None, agree=lambda mine: mine + 10, on_miss=misses.append,
-                              audit=audit, on_done=lambda: "dropped", peak=lambda device: 3000)
+    calibration = Calibration(plan, report, "cuda:0", None, clock, on_miss=misses.append, audit=audit,
+                              on_done=lambda: "dropped", peak=lambda device: 3000)
     with pytest.warns(RuntimeWarning, match="sized otherwise"):
         audit([torch.zeros(1000 + 2048, dtype=torch.uint8)])
-    audit([torch.zeros(1, dtype=torch.uint8)])  # the program's second forward in the first step: counted
-    for _ in range(CALIBRATION_CALL * 2):  # two runs a step: the calibration step's last backward
+    for step in range(3):  # two runs a step: two forwards, two backwards; the step after the calibration step's
+        # first forward reads the largest over the ranks, its backward drops the checks
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            calibration()
+            for _ in range(2 - (step == 0)):
+                audit([torch.zeros(1, dtype=torch.uint8)])
+            assert (report.calibration is not None) == (step == 2)
+            for _ in range(2):
+                calibration()
     assert plan == compiled and plan.peak_bytes_after == 400 and len(plan.terms) == 1
     assert report.saved.differences[0].measured - report.saved.differences[0].predicted == 2048
     assert report.peak_bytes_after == 400 + 2048 == report.corrected(plan).peak_bytes_after
-    assert report.runs_per_step == 2 and report.checks_removed == f"after backward call {CALIBRATION_CALL * 2}: dropped"
+    assert report.runs_per_step == 2 and report.checks_removed == "after backward call 5: dropped"
     c = report.calibration
     assert (c.measured_peak_bytes, c.own_peak_bytes, c.predicted_peak_bytes, c.error_bytes) == (3010, 3000, 2448, 562)
     assert not c.budget_missed and misses == []
@@ -69,6 +75,6 @@ def test_the_checks_write_the_report_and_leave_the_plan_as_compiled():
     assert text.splitlines()[0] == plan_text(plan).splitlines()[0]  # the same plan
     assert "predicted peak per rank:     400 B -> 2.39 KiB (2,448 B)" in text  # the corrected prediction
     assert "predicted peak per rank:     400 B -> 400 B" in plan_text(plan)  # the plan's own
-    assert "calibration (end of backward call 2): device peak 2.94 KiB (3,010 B), predicted 2.39 KiB (2,448 B)" in text
-    assert "this program ran 2 times in the first step" in text and "first-call checks: after backward call 4" in text
+    assert f"calibration ({CALIBRATION_AT}): device peak 2.94 KiB (3,010 B), predicted 2.39 KiB (2,448 B)" in text
+    assert "this program ran 2 times in the first step" in text and "first-call checks: after backward call 5" in text
     assert "calibration (" not in plan_text(plan) and "first-call checks:" not in plan_text(plan)

@@ -1,5 +1,5 @@
 """The steady state (``thunder_fp8shard.runtime.steady_state``): once the first-call checks are done (the audit at the first
-call, the calibration at the end of backward call ``CALIBRATION_CALL * runs_per_step``), the program runs without
+call, the calibration at the first forward after the model's calibration step), the program runs without
 them: the checks' implementations are not called again, the traces the first calls ran stay inspectable, and
 gradients stay bitwise those of the run without the pass."""
 
@@ -12,7 +12,7 @@ import torch
 
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train
 
-STEPS = 3  # calibrated at the end of the 2nd backward: the 3rd step runs without the checks
+STEPS = 4  # the 2nd step's peak is read at the 3rd step's first forward: its backward drops the checks
 
 
 def _counting(run):
@@ -62,10 +62,10 @@ def test_compaction_alone_runs_without_the_checks_after_the_calibration_step():
     (base, _), _ = _counting(lambda step: train_steps(step, []))
     compact = CompactSavedViews(optimizer_states=0)
     (grads, cache), calls = _counting(lambda step: train_steps(step, [compact]))
-    # the forward's audit and the backward's calibration run in the first two steps only
-    assert calls == {"audit": [0, 1], "calibrate": [0, 1]}
+    # the forward's audit and the backward's calibration run in the first three steps only
+    assert calls == {"audit": [0, 1, 2], "calibrate": [0, 1, 2]}
     (plan,), (report,) = compact.plans, compact.reports
-    assert report.checks_removed == "after backward call 2: the program's cache entry runs traces without them"
+    assert report.checks_removed == "after backward call 3: the program's cache entry runs traces without them"
     assert plan.check_calls == {"fp8shard_audit": 1, "fp8shard_calibrate": 1}
     assert "fp8shard_audit" not in plan.operator_calls and sum(plan.operator_calls.values()) == 1  # one compaction
     text = compact.describe()
@@ -98,7 +98,8 @@ def checked_run(rank, world_size, cfg):
 @pytest.mark.parametrize("api", ["transform", "fsdp2"])
 def test_sharded_training_runs_without_the_checks_after_the_calibration_step(api, on_ranks):
     """Thunder FSDP ZeRO-3 (one program) and FSDP2 under ThunderFX (one program a subgraph): each program calls each
-    check ``CALIBRATION_CALL * runs_per_step`` times, then runs without them, bitwise exact over the steps after."""
+    check in the first three steps (the calibration reads the second's peak at the third's first forward), then runs
+    without them, bitwise exact over the steps after."""
     cfg = RunConfig(widths=(25, 61, 47, 7), batch_sizes=(3,) * STEPS, no_grad_call=False, api=api,
                     options={"min_bytes": 0})
     for rank, (baseline, run, calls) in enumerate(on_ranks(checked_run, 2, cfg)):
@@ -110,8 +111,8 @@ def test_sharded_training_runs_without_the_checks_after_the_calibration_step(api
         assert done, "no program ran its calibration step"
         assert all(r.checks_removed.startswith("after backward call") and "without them" in r.checks_removed
                    for r in done)
-        # each program calls each check in its runs of its first two steps only, then runs without them
-        assert calls["audit"] == calls["calibrate"] == sum(2 * r.runs_per_step for r in done)
+        # each program calls each check in its runs of its first three steps only, then runs without them
+        assert calls["audit"] == calls["calibrate"] == sum(3 * r.runs_per_step for r in done)
         if api == "transform":
             ((_, report),) = plans
-            assert calls == {"audit": 2, "calibrate": 2} and report.checks_removed.startswith("after backward call 2:")
+            assert calls == {"audit": 3, "calibrate": 3} and report.checks_removed.startswith("after backward call 3:")

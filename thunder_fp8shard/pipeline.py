@@ -13,27 +13,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.analyze import Analysis, analyze
+from thunder_fp8shard.analysis.identity import program_key, tensor_keys
 from thunder_fp8shard.analysis.replication import analyze_replication
 from thunder_fp8shard.analysis.program import ProgramFacts, program_facts
-from thunder_fp8shard.analysis.saved import backward_saved
-from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES, Collectives, agree, check, largest
+from thunder_fp8shard.analysis.saved import backward_saved, forward_inputs
+from thunder_fp8shard.distributed.agreement import (
+    TORCH_COLLECTIVES, Collectives, agree, differing, largest, mismatch_message,
+)
+from thunder_fp8shard.distributed.layout import Layout, Layouts, first_difference, layout_of, signature
 from thunder_fp8shard.distributed.integrations import Integration
 from thunder_fp8shard.distributed.shard_groups import ShardGroup
 from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planning.planner import choose, make_plan
+from thunder_fp8shard.planning.planner import LayoutError, choose, choose_layout, make_plan
 from thunder_fp8shard.reporting.format import fmt_bytes
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
 from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
-from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, calibration_term, expected_storages
+from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, StepClock, calibration_term, expected_storages
 from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
 
@@ -65,7 +69,8 @@ class Compiled:
 @dataclass(frozen=True)
 class _Planned:
     """One program's plan, before any collective of the plan: the forward and backward, their facts, the FP8
-    forward-gather decisions, the analysis with the agreed terms, the plan and the planner's warnings."""
+    forward-gather decisions, the analysis with the agreed terms, the plan, the planner's warnings, the structural
+    keys of its identical tensors, and whether Thunder FSDP's collectives were rescheduled."""
 
     forward: TraceCtx
     backward: TraceCtx
@@ -74,31 +79,45 @@ class _Planned:
     analysis: Analysis
     plan: ShardPlan
     warnings: tuple[str, ...]
+    keys: Mapping[str, str]
+    rescheduled: bool = False
 
 
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,
-             calibration_bytes, name: str, seams: Seams) -> _Planned:
-    """Analyzes the program ``fw`` + ``bw``, agrees its inputs over the shard group and plans it (pure but for the
-    agreement's collectives, which every rank runs alike)."""
+             calibration_bytes, name: str, seams: Seams, together, forced: Layout | None = None,
+             rescheduled: bool = False, forward_gather: bool = True) -> _Planned:
+    """Analyzes the program ``fw`` + ``bw`` and plans it: with the inputs agreed over ``together`` (every rank runs
+    the agreement's collective alike), or, with ``forced``, the model's agreed layout realized with no collective
+    (this rank's own inputs decide only what is rank-local: the compactions)."""
     o = options
-    group = shards.group if shards is not None else None
     k = shards.size if shards is not None else 1
     # which TE weights the forward all-gathers in FP8: decided on the traces alone, before the memory model, which
     # counts their gathered buffers at the bytes the rewrite makes them
-    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather, setup_name=setup and setup.name,
-                                 group=setup and setup.group, world_size=setup.world_size if setup else 1)
+    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather and forward_gather,
+                                 setup_name=setup and setup.name, group=setup and setup.group,
+                                 world_size=setup.world_size if setup else 1)
     facts = program_facts(fw, bw, te_names)  # derived once; every stage reads them
     if len(backward_saved(bw)[0]) != len(facts.saved):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
     analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis,
                        resized=fwd_gather.buffer_nbytes(), shard_ranks=tuple(shards.ranks) if shards else ())
-    # the same inputs, hence the same plan, on every rank that runs the plan's collectives with this one
-    agreed = agree(analysis.model.terms, o.budget_bytes, group, seams.collectives)
-    analysis = analysis.with_terms(agreed.terms)
-    plan, warns = make_plan(analysis, dataclasses.replace(o, budget_bytes=agreed.budget_bytes), k,
-                            plan_header(o, setup, shards), agreed.values, chooser=seams.chooser)
-    return _Planned(fw, bw, facts, fwd_gather, analysis, plan, tuple(warns))
+    keys = tensor_keys(fw, analysis.replication.replicated) if analysis.replication is not None else {}
+    budget, values, chooser = o.budget_bytes, (), seams.chooser
+    if forced is None:  # the same inputs, hence the same plan, on every rank that compiles with this one
+        agreed = agree(analysis.model.terms, o.budget_bytes, together, seams.collectives)
+        analysis, budget, values = analysis.with_terms(agreed.terms), agreed.budget_bytes, agreed.values
+    else:
+        names = {key: n for n, key in keys.items()}
+        chooser = functools.partial(choose_layout, buckets=[[names.get(key, key) for key in b] for b in forced.buckets],
+                                    ops=forced.shard_ops)
+    plan, warns = make_plan(analysis, dataclasses.replace(o, budget_bytes=budget), k, plan_header(o, setup, shards),
+                            values, chooser=chooser)
+    return _Planned(fw, bw, facts, fwd_gather, analysis, plan, tuple(warns), keys, rescheduled)
+
+
+def _scheduled(fw: TraceCtx, bw: TraceCtx) -> tuple[TraceCtx | None, TraceCtx | None]:
+    return collective_schedule.schedule_forward(fw), collective_schedule.schedule_backward(bw)
 
 
 def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned | None:
@@ -107,11 +126,10 @@ def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned 
     each gradient's reduce-scatter right after the gradient), if the memory model predicts it a lower peak; its
     "before" stays the run without the pass (Thunder's order). None: Thunder's order is kept. The choice depends
     only on the agreed plans: every rank makes the same."""
-    fw = collective_schedule.schedule_forward(first.forward)
-    bw = collective_schedule.schedule_backward(first.backward)
+    fw, bw = _scheduled(first.forward, first.backward)
     if fw is None and bw is None:
         return None
-    second = planned(fw or first.forward, bw=bw or first.backward)
+    second = planned(fw or first.forward, bw=bw or first.backward, rescheduled=True)
     plan = first.plan
     if second.plan.peak_bytes_after >= plan.peak_bytes_after:
         return None
@@ -119,9 +137,15 @@ def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned 
     note = (f"reschedule: {moved} moved where they hold less memory (Thunder FSDP's order keeps every gathered "
             f"weight, or every unsharded gradient, alive at once): predicted peak {fmt_bytes(plan.peak_bytes_after)} "
             f"-> {fmt_bytes(second.plan.peak_bytes_after)}")
-    return dataclasses.replace(second, plan=dataclasses.replace(
-        second.plan, peak_bytes_before=plan.peak_bytes_before, timeline_before=plan.timeline_before,
-        program_peak_bytes_before=plan.program_peak_bytes_before, notes=(*second.plan.notes, note)))
+    return _before_of(second, first.plan, note)
+
+
+def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
+    """``planned`` (a rescheduled program) with its "before" the run without the pass, Thunder's order (``thunders``,
+    the plan of Thunder's program), and ``note``."""
+    return dataclasses.replace(planned, plan=dataclasses.replace(
+        planned.plan, peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
+        program_peak_bytes_before=thunders.program_peak_bytes_before, notes=(*planned.plan.notes, note)))
 
 
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
@@ -135,40 +159,25 @@ def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardG
                      shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin, **common)
 
 
-def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integration | None,
-                 shards: ShardGroup | None, device: DeviceMemory | None, te_names: frozenset[str],
-                 calibration_bytes: int | None, on_miss: Callable[[int], None], name: str = "ShardIntermediates",
-                 seams: Seams = Seams()) -> Compiled:
-    """Plans the program ``fw`` + ``bw`` and rewrites it. ``setup``: the distributed setup (None: compaction alone);
-    ``shards``: this rank's shard group (the plan's collectives run on it); ``device``: what the device's allocator
-    said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
-    ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
-    calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
-    ``seams``: the device, the collectives and the two plantable choices. The program with Thunder FSDP's collectives
-    rescheduled is planned too; where its predicted peak is lower it is kept with ``options.reschedule``, and named
-    in a note of the plan without it."""
+@dataclass(frozen=True)
+class _Built:
+    """A planned program rewritten: what :func:`compile_plan` returns, the collectives it issues, and its layout."""
+
+    compiled: Compiled
+    signature: tuple[str, ...]
+    layout: Layout
+
+
+def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, group, k: int, clock: StepClock,
+           on_miss: Callable[[int], None], notes: tuple[str, ...] = ()) -> _Built:
+    """Rewrites the program of ``chosen`` as its plan says and arms the run-time checks (no collective)."""
     o = options
-    group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
-    k = shards.size if shards is not None else 1
-    planned = functools.partial(_planned, options=o, setup=setup, shards=shards, device=device,
-                                te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams)
-    chosen = planned(fw, bw=bw)
-    scheduled = _rescheduled(chosen, planned) if setup is not None else None
-    if scheduled is not None and o.reschedule:
-        chosen = scheduled
-    elif scheduled is not None:  # said, not done: the option is off (every rank planned both alike)
-        lower = scheduled.plan.peak_bytes_after
-        chosen = dataclasses.replace(chosen, plan=dataclasses.replace(chosen.plan, notes=(
-            *chosen.plan.notes, f"reschedule=True would lower the predicted peak {fmt_bytes(chosen.plan.peak_bytes_after)} "
-            f"-> {fmt_bytes(lower)} (Thunder FSDP's all-gathers issued ahead of their use, each gradient's reduce-scatter "
-            "right after it: docs/options.md)")))
     fw, bw = chosen.forward, chosen.backward
     facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
     for warning in chosen.warnings:
-        warnings.warn(f"{name}: {warning}", stacklevel=3)
-    plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows), notes=(*plan.notes, *fwd_gather.notes))
-    if group is not None:
-        check(plan, group, verify=o.verify, comm=seams.collectives)  # before any collective of the plan
+        warnings.warn(f"{name}: {warning}", stacklevel=4)
+    plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows),
+                               notes=(*plan.notes, *fwd_gather.notes, *notes))
     shard_ops, compactions = requests(plan, facts)
     n = sum(len(r.members) for op in shard_ops for r in op.buckets)
     new_fw = rewrite_forward(
@@ -181,11 +190,11 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     )
     report = RunReport()  # written by the two checks only, at run time; they read the plan's prediction, final here
     audit = SavedAudit(plan, report, expected_storages(analysis.model, plan, new_fw),
-                       [p.name for p in new_fw.saved if isinstance(p, TensorProxy)])
-    calibration = Calibration(plan, report, facts.device, plan.budget_bytes,
-                              functools.partial(largest, group=group, comm=seams.collectives), on_miss, audit,
+                       [p.name for p in new_fw.saved if isinstance(p, TensorProxy)], clock)
+    calibration = Calibration(plan, report, facts.device, plan.budget_bytes, clock, on_miss, audit,
                               peak=seams.device_probe.peak_allocated)
     new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
+    sig = signature(new_fw.trace, new_bw)
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)
     gather_calls = fp8_gather.operator_calls(fw_trace) if fwd_gather.sites else {}
@@ -193,4 +202,129 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         plan, operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
         check_calls={op: calls[op] for op in CHECK_NAMES},
         forward_gather_calls=(fwd_gather.calls_replaced, sum(gather_calls.values())) if fwd_gather.sites else (0, 0))
-    return Compiled(plan, report, fw_trace, new_bw, calibration)
+    layout = layout_of(plan, chosen.keys, chosen.rescheduled, sig)
+    return _Built(Compiled(plan, report, fw_trace, new_bw, calibration), sig, layout)
+
+
+NOTHING = Layout()  # nothing sharded, Thunder's order
+
+
+def agreement_group(setup: Integration | None, shards: ShardGroup | None):
+    """Where the ranks agree a layout: the larger of the setup's group (its collectives: Thunder FSDP's order, the FP8
+    forward gathers) and the shard group (the pass's); None with one rank or no setup."""
+    if setup is None or shards is None:
+        return None
+    groups = [(setup.world_size, 0, setup.group), (shards.size, 1, shards.group)]
+    size, _, group = max(groups, key=lambda g: (g[0], -g[1]))
+    return group if size > 1 else None
+
+
+def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integration | None,
+                 shards: ShardGroup | None, device: DeviceMemory | None, te_names: frozenset[str],
+                 calibration_bytes: int | None, on_miss: Callable[[int], None], name: str = "ShardIntermediates",
+                 seams: Seams = Seams(), layouts: Layouts | None = None, clock: StepClock | None = None) -> Compiled:
+    """Plans the program ``fw`` + ``bw`` and rewrites it. ``setup``: the distributed setup (None: compaction alone);
+    ``shards``: this rank's shard group (the plan's collectives run on it); ``device``: what the device's allocator
+    said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
+    ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
+    calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
+    ``seams``: the device, the collectives and the two plantable choices; ``layouts``: the model's agreed layouts and
+    whether the ranks compile together now (:mod:`thunder_fp8shard.distributed.layout`); ``clock``: the model's steps
+    (:class:`~thunder_fp8shard.runtime.audit.StepClock`).
+
+    While the ranks compile together (``layouts.open``) the program is planned with inputs agreed across the ranks;
+    the program with Thunder FSDP's collectives rescheduled is planned too (kept with ``options.reschedule`` where its
+    predicted peak is lower, else named in a note); the ranks then compare their layouts (one all-gather of digests)
+    and, where their programs differed (each its own shapes), all realize rank 0's. Any later compilation realizes
+    the agreed layout of its program with no collective, and raises where its collectives would differ."""
+    layouts = layouts if layouts is not None else Layouts()
+    clock = clock if clock is not None else StepClock()
+    group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
+    k = shards.size if shards is not None else 1
+    together = agreement_group(setup, shards)
+    planned = functools.partial(_planned, options=options, setup=setup, shards=shards, device=device,
+                                te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams,
+                                together=together)
+    build = functools.partial(_build, options=options, name=name, seams=seams, group=group, k=k, clock=clock,
+                              on_miss=on_miss)
+    if setup is None:  # compaction alone: nothing collective
+        return build(planned(fw, bw=bw)).compiled
+    program = program_key(fw, parameters(fw, setup))
+    if layouts.open:
+        built = _together(fw, bw, planned, build, options, together, seams.collectives)
+        layouts.by_program[program] = built.layout
+        clock.agree = functools.partial(largest, group=together, comm=seams.collectives)
+        return built.compiled
+    agreed = layouts.by_program.get(program)
+    if agreed is None:
+        # nothing sharded, Thunder's own collectives: what any rank compiling it alone does too
+        return build(_forced(fw, bw, functools.partial(planned, forward_gather=False), NOTHING), notes=(
+            "a program the ranks did not compile together (none like it at the model's first compilation): left "
+            "with Thunder's own collectives (nothing sharded, no forward gather in FP8)",)).compiled
+    try:
+        built = build(_forced(fw, bw, planned, agreed), notes=(
+            "compiled on this rank alone (its own input shapes): the model's agreed layout, no collective",))
+        why = None if built.signature == agreed.signature else first_difference(built.signature, agreed.signature)
+    except LayoutError as e:
+        why = str(e)
+    if why is not None:
+        raise RuntimeError(
+            f"{name}: this rank compiled a program (its own input shapes) whose collectives differ from those the "
+            f"ranks agreed for this model at its first compilation: {why}. Running it would hang or corrupt the "
+            "gradients on every rank, so it does not run. Give every rank's input shapes the same code path, or "
+            "leave the pass out.")
+    return built.compiled
+
+
+def parameters(fw: TraceCtx, setup: Integration) -> frozenset[str]:
+    """The forward's inputs whose shapes are the model's, not the batch's: the setup's replicated inputs (DDP's
+    parameters, FSDP2's unsharded ones) and Thunder FSDP's parameter shards."""
+    sharded = {p.name for p in forward_inputs(fw)
+               if getattr(p, "distparallel_type", None) == DistParallelType.FULLY_SHARDED}
+    return frozenset(setup.replicated_inputs(fw)) | sharded
+
+
+def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout: Layout) -> _Planned:
+    """The program planned to ``layout`` (its collectives rescheduled where the layout's are), with no collective."""
+    if layout.reschedule:
+        sfw, sbw = _scheduled(fw, bw)
+        first = planned(fw, bw=bw, forced=layout)
+        return _before_of(planned(sfw or fw, bw=sbw or bw, forced=layout, rescheduled=True), first.plan,
+                          "reschedule: as the model's agreed layout")
+    return planned(fw, bw=bw, forced=layout)
+
+
+def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], build: Callable[..., _Built],
+              options: ShardOptions, together, comm: Collectives) -> _Built:
+    """The program planned while every rank compiles (with the inputs agreed), and the layout the ranks then agree:
+    this rank's where every rank's is the same; else rank 0's on every rank (the ranks compiled different programs,
+    each its own shapes), or, where rank 0's would raise a rank's predicted peak or cannot be realized there,
+    nothing sharded; where even that differs, every rank raises the same error."""
+    chosen = planned(fw, bw=bw)
+    scheduled = _rescheduled(chosen, planned)
+    notes: tuple[str, ...] = ()
+    if scheduled is not None and options.reschedule:
+        chosen = scheduled
+    elif scheduled is not None:  # said, not done: the option is off (every rank planned both alike)
+        notes = (f"reschedule=True would lower the predicted peak {fmt_bytes(chosen.plan.peak_bytes_after)} -> "
+                 f"{fmt_bytes(scheduled.plan.peak_bytes_after)} (Thunder FSDP's all-gathers issued ahead of their "
+                 "use, each gradient's reduce-scatter right after it: docs/options.md)",)
+    built = build(chosen, notes=notes)
+    if together is None:
+        return built
+    layouts = differing(built.layout, together, comm)
+    if layouts is None:
+        return built
+    for layout, why in ((layouts[0], "rank 0's layout"), (NOTHING, "nothing sharded")):
+        try:
+            again = build(_forced(fw, bw, planned, layout), notes=(
+                f"the ranks compiled different programs at the first call (their own input shapes) and planned "
+                f"different layouts: {why} on every rank",))
+            plan = again.compiled.plan
+            ok = layout is NOTHING or (again.signature == layout.signature
+                                       and plan.peak_bytes_after <= plan.peak_bytes_before)
+        except LayoutError:
+            again, ok = None, False
+        if comm.all_reduce_max([0 if ok else 1], together) == [0] and differing(again.layout, together, comm) is None:
+            return again
+    raise RuntimeError(mismatch_message([x.fields() for x in layouts], comm.ranks(together)))

@@ -24,13 +24,14 @@ from thunder.core.transform_common import Transform
 from thunder_fp8shard.analysis.candidates import te_quantized_names
 from thunder_fp8shard.analysis.saved import forward_saved
 from thunder_fp8shard.distributed import integrations
+from thunder_fp8shard.distributed.layout import Layouts
 from thunder_fp8shard.distributed.shard_groups import ShardGroup, ShardGroups
 from thunder_fp8shard.memory.device import DeviceMemory, cublas_gemms
 from thunder_fp8shard.options import OPTION_NAMES, options_from, signature
 from thunder_fp8shard.pipeline import Seams, compile_plan, plan_header
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.reporting.plan_text import plan_text
-from thunder_fp8shard.runtime.audit import cache_dropper
+from thunder_fp8shard.runtime.audit import StepClock, cache_dropper
 from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import checks_dropper
 
@@ -81,6 +82,14 @@ class ShardIntermediates(Transform):
         self._groups = ShardGroups(self.options.comm, self.options.shard_group_size)  # created once, then reused
         self._calibration_bytes: int | None = None  # set by a missed budget: planned with from then on
         self.seams = Seams()
+        self._layouts = Layouts()  # the model's agreed layouts; open while the ranks compile together
+        self._clock = StepClock()  # the model's steps: its first backward closes the layouts
+        self._clock.on_backward = self._close
+        self._replanned = False  # a missed budget dropped every program: the layouts stay open until one compiles
+
+    def _close(self) -> None:
+        if not self._replanned:
+            self._layouts.open = False
 
     def __deepcopy__(self, memo) -> ShardIntermediates:
         """The transform itself: it holds process groups (given, or made at its first compilation), which cannot be
@@ -150,7 +159,8 @@ class ShardIntermediates(Transform):
             return bw
         out = compile_plan(pending.original, bw, self.options, pending.setup, pending.shards, pending.device,
                            pending.te_names, self._calibration_bytes, functools.partial(self._replan, pending.stats),
-                           type(self).__name__, self.seams)
+                           type(self).__name__, self.seams, self._layouts, self._clock)
+        self._replanned = False
         pending.stand_in.bound_symbols = out.forward.bound_symbols
         pending.stand_in.set_provenance(out.forward.get_provenance())
         # once both checks are done, the program's cache entry runs these traces without them
@@ -164,6 +174,8 @@ class ShardIntermediates(Transform):
         compilation with the error as a measured term, and make the next call compile again."""
         self._calibration_bytes = max(self._calibration_bytes or 0, 0) + max(error_bytes, 0)
         cache_dropper(compile_stats)()
+        self._layouts.open, self._replanned = True, True  # every rank compiles at its next call: a layout again
+        self._clock.reset()
 
     def _record(self, plan: ShardPlan, report: RunReport) -> None:
         self.plans.append(plan)

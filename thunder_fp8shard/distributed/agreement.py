@@ -1,29 +1,25 @@
-"""Every rank compiles the same collectives: the plan's per-rank inputs are agreed before planning, and the plan's
-collectives are compared across the ranks, once per compilation, before any of them runs.
+"""The ranks' collectives at the model's first compilation: the plan's per-rank inputs agreed before planning, the
+ranks' layouts compared after, before any collective of the plan runs (later compilations agree nothing: they
+realize the agreed layout alone, :mod:`thunder_fp8shard.distributed.layout`).
 
-A plan is a pure function of the program (the same traces on every rank), the options and the memory the step runs
-in besides the program (:mod:`thunder_fp8shard.memory.resident`). That memory can differ between ranks: what each rank's
-device allocator holds while compiling (:mod:`thunder_fp8shard.memory.device`), and ``resident_bytes``,
-``loss_bytes`` or ``optimizer_states`` where a user passes rank-dependent values; so can ``budget_bytes``. The
-grouping's headroom rule and the ``peak``/``budget`` policies turn such differences into different buckets, i.e.
-collectives of different sizes on different ranks: a gloo abort, over NCCL a hang or wrong bytes in the gradients.
+A plan is a pure function of the program, the options and the memory the step runs in besides the program
+(:mod:`thunder_fp8shard.memory.resident`). That memory can differ between ranks: what each rank's device allocator
+holds while compiling (:mod:`thunder_fp8shard.memory.device`), and ``resident_bytes``, ``loss_bytes`` or
+``optimizer_states`` where a user passes rank-dependent values; so can ``budget_bytes``. The grouping's headroom rule
+and the ``peak``/``budget`` policies turn such differences into different buckets, i.e. collectives of different
+sizes on different ranks: a gloo abort, over NCCL a hang or wrong bytes in the gradients.
 
-:func:`agree` therefore takes, in one all-reduce MAX over the shard group (the ranks that run the plan's collectives
-together: the setup's group, or with ``shard_group_size`` this rank's subgroup), each memory term's largest
-bytes over the ranks (every rank plans for the fullest device) and the smallest ``budget_bytes`` (the tightest
-target). The plan is then the same on every rank by construction. Every rank compiles the same programs in the same
-order (under ThunderFX one subgraph at a time, in the same order), so each compilation's all-reduce is matched.
+:func:`agree` therefore takes, in one all-reduce MAX over the ranks that agree (the setup's group, or the shard group
+where it is larger), each memory term's largest bytes over the ranks (every rank plans for the fullest device) and
+the smallest ``budget_bytes`` (the tightest target). :func:`differing` then all-gathers a SHA-256 digest of each
+rank's layout; the digests have a fixed size, so the comparison itself cannot mismatch. Where they differ (the ranks
+compiled their own shapes and planned differently) every rank sees it and gets every rank's layout, and the pipeline
+realizes rank 0's; where that fails, every rank raises the same error (:func:`mismatch_message`).
 
-:func:`check` then all-gathers a SHA-256 digest of what defines the plan's collectives (:func:`collectives`: world
-size, method, shard ops, buckets, byte sizes, where each collective is issued and in which order). The digests have a
-fixed size, so the check itself cannot mismatch. Where they differ every rank sees it: all ranks all-gather the
-readable descriptions and raise the same error, naming what differs, before any shard collective has run.
-
-Both run their collectives through a :class:`Collectives` (torch.distributed's; injected into the transform,
-``ShardIntermediates.inject(collectives=...)``, where a test gives its own). They run on the device the group's
-backend needs: the current CUDA device for NCCL, the CPU otherwise (gloo, and torch's fake process group, whose
-collectives return at once without writing: the agreed values are then this rank's own, and every digest this
-rank's).
+They run their collectives through a :class:`Collectives` (torch.distributed's; injected into the transform,
+``ShardIntermediates.inject(collectives=...)``, where a test gives its own), on the device the group's backend
+needs: the current CUDA device for NCCL, the CPU otherwise (gloo, and torch's fake process group, whose collectives
+return at once without writing: the agreed values are then this rank's own, and every digest this rank's).
 """
 
 from __future__ import annotations
@@ -188,18 +184,16 @@ def digest(fields: Sequence[tuple[str, str]]) -> bytes:
     return hashlib.sha256("\n".join(f"{k}: {v}" for k, v in fields).encode()).digest()
 
 
-def check(plan: ShardPlan, group, *, verify: bool, comm: Collectives = TORCH_COLLECTIVES) -> None:
-    """Raises the same error on every rank of ``group`` when the ranks' plans differ in their collectives (one
-    all-gather of 32-byte digests; where they differ, one ``all_gather_object`` of the descriptions to name what).
-    With one rank there is nothing to compare."""
-    if comm.size(group) < 2:
-        return
-    fields = collectives(plan, verify=verify)
-    digests = comm.all_gather_digests(digest(fields), group)
+def differing(layout, group, comm: Collectives = TORCH_COLLECTIVES) -> list | None:
+    """None where every rank of ``group`` agreed the same ``layout`` (:class:`~thunder_fp8shard.distributed.layout.Layout`;
+    one all-gather of 32-byte digests), else every rank's layout, in rank order (one ``all_gather_object``: every
+    rank saw the same digests, so every rank makes it). With one rank there is nothing to compare."""
+    if group is None or comm.size(group) < 2:
+        return None
+    digests = comm.all_gather_digests(layout.digest, group)
     if all(d == digests[0] for d in digests):
-        return
-    described = comm.all_gather_object(fields, group)  # every rank is here: all saw the same digests
-    raise RuntimeError(mismatch_message(described, comm.ranks(group)))
+        return None
+    return comm.all_gather_object(layout, group)
 
 
 def mismatch_message(described: Sequence[Sequence[tuple[str, str]]], ranks: Sequence[int]) -> str:
@@ -217,6 +211,7 @@ def mismatch_message(described: Sequence[Sequence[tuple[str, str]]], ranks: Sequ
         more = f"; and {len(differ) - SHOWN} more field(s)" if len(differ) > SHOWN else ""
         parts.append(f"rank {r} differs from rank {ranks[0]} in {shown}{more}")
     what = ". ".join(parts) or "the digests differ although the descriptions agree"
-    return ("ShardIntermediates: the ranks planned different collectives for this compilation, so none of them runs "
-            f"(they would hang, abort or corrupt the gradients). {what}. The memory terms and budget_bytes are agreed "
-            "across the ranks before planning; other options must be the same on every rank.")
+    return ("ShardIntermediates: the ranks compiled programs with different collectives at the model's first "
+            f"compilation, so none of them runs (they would hang, abort or corrupt the gradients). {what}. Neither "
+            "rank 0's layout nor sharding nothing makes them the same: the ranks' programs differ beyond the pass "
+            "(their own code paths?); the options must be the same on every rank.")

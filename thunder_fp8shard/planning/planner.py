@@ -206,6 +206,45 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
     return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
 
 
+class LayoutError(RuntimeError):
+    """The model's agreed layout cannot be realized in this program (a member missing or not sound here, its buckets
+    used in another order)."""
+
+
+NOT_IN_LAYOUT = "not in the model's agreed layout (the ranks agreed what is sharded at its first compilation)"
+
+
+def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int, *,
+                  buckets: Sequence[Sequence[str]], ops: Sequence[int]) -> Choice:
+    """The model's agreed layout realized in this program: exactly ``buckets`` (the members' names here, buckets in
+    order of first backward use) sharded, by shard ops ``ops``; every other candidate left out; the compactions
+    chosen here (rank-local: every one that does not raise the predicted peak). Raises :class:`LayoutError` where a
+    member is not a sound candidate here or the buckets' first uses come in another order. Where the layout raises
+    this program's predicted peak, a warning says so (the ranks' collectives cannot change alone)."""
+    by_name = {d.name: d for d in sound}
+    members = [n for b in buckets for n in b]
+    missing = [n for n in members if n not in by_name or not by_name[n].sharded]
+    if missing:
+        why = by_name[missing[0]].reason if missing[0] in by_name else "not saved for backward here"
+        raise LayoutError(f"the agreed layout shards {len(members)} tensor(s); {len(missing)} cannot be sharded "
+                          f"in this program (the first, key {missing[0]}: {why})")
+    chosen = set(members)
+    final = [d if d.name in chosen or not d.sharded else _not_sharded(d, NOT_IN_LAYOUT) for d in sound]
+    placed = grouping.place([[by_name[n] for n in b] for b in buckets], list(ops), model, prefetch=options.prefetch,
+                            k=k)
+    firsts = [b.first_use for b in placed]
+    if firsts != sorted(firsts):
+        raise LayoutError("the agreed buckets are used in another order in this program's backward")
+    compactions = _not_raising_the_peak(_compaction_options(model, final, options), model)
+    compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, placed, model)]
+    warnings = []
+    taken = [c for c in compactions if c.compacted]
+    if model.live_bytes(placed, taken).max() > model.live_bytes().max():
+        warnings.append("the model's agreed layout raises this program's predicted peak (its shapes are this rank's "
+                        "own); the ranks' collectives must stay the same, so it is kept")
+    return Choice(final, placed, compactions, list(warnings), warnings)
+
+
 def _budget_note(budget: int, target: int, before: int, lowest: int) -> str:
     planned = f"planned to {target:,} B (the budget less its {BUDGET_MARGIN:.1%} margin)"
     if before <= target:

@@ -17,13 +17,15 @@ compiled), so that no gap stays silent:
   ``runs_per_step`` (under ThunderFX one compiled program serves every block of the same class and shapes, so its
   plan runs several times a step; its bytes count that many times).
 - ``fp8shard_calibrate`` (the backward's last operator) reads the device's peak (``torch.cuda.max_memory_allocated``)
-  at the end of the second step's last backward of the program: the first step whose forward and backward run with the optimizer's state (it
-  is created by the first ``optimizer.step()``), and whose peak Thunder's benchmark and most loops do not reset.
-  The ranks of the shard group agree on the largest reading (one all-reduce MAX, once), so that every rank decides
-  alike. The report records the reading and its error against the predicted peak. Under ``policy="budget"``, a reading
-  over the budget is a warning, and the pass plans the next compilation with the error as a measured term
-  (``calibration``) and forces that compilation at the next call (it drops the compiled program from Thunder's cache:
-  the cost is one recompilation of that input shape); the user sees both in the new plan. On the CPU nothing is read.
+  at each backward's end of the model's second step: the first whose forward and backward run with the optimizer's
+  state (it is created by the first ``optimizer.step()``), and whose peak Thunder's benchmark and most loops do not
+  reset. The ranks agree on the largest reading (one all-reduce MAX, once), so that every rank decides alike; the
+  all-reduce runs where every rank is at the same point whatever program it compiled: at the end of the first
+  forward of the next step (:class:`StepClock`). The report records the reading and its error against the predicted
+  peak. Under ``policy="budget"``, a reading over the budget is a warning, and the pass plans the next compilation
+  with the error as a measured term (``calibration``) and forces that compilation at the next call (it drops the
+  compiled programs from Thunder's cache: the cost is one recompilation, on every rank alike); the user sees both in
+  the new plan. On the CPU nothing is read.
 
 Both read only metadata or one counter: no device synchronization, except the calibration's one all-reduce. Once
 the calibration is done (and no budget was missed), both are removed from the program
@@ -56,7 +58,8 @@ log = logging.getLogger(__name__)
 
 SAVED_TERM = "saved storages at the first call"
 CALIBRATION_TERM = "calibration"
-CALIBRATION_CALL = 2  # the backward call whose end is read: the first with the optimizer's state
+CALIBRATION_STEP = 1  # the model's step whose peak is read (from 0): the first with the optimizer's state
+CALIBRATION_AT = f"the largest at a backward's end in the model's step {CALIBRATION_STEP + 1}"
 TOLERANCE = 1024  # bytes a storage may differ from the model's without a term (TE's 4-byte scales, ...)
 
 # inner buffers of TransformerEngine's quantized tensors (wrapper subclasses without a storage of their own)
@@ -116,8 +119,8 @@ def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewri
 
 def calibration_term(nbytes: int, last: int) -> MemoryTerm:
     """The error a missed budget measured, planned with from then on (every step)."""
-    return MemoryTerm(CALIBRATION_TERM, MEASURED, f"the device peaked {nbytes:,} B over the prediction at the end of "
-                      f"backward call {CALIBRATION_CALL} (policy budget, replanned)", ((0, last, nbytes),))
+    return MemoryTerm(CALIBRATION_TERM, MEASURED, f"the device peaked {nbytes:,} B over the prediction, {CALIBRATION_AT} "
+                      "(policy budget, replanned)", ((0, last, nbytes),))
 
 
 def compare(expected: list[SavedStorage], names: list[str], saved: list) -> tuple[int, list[Difference]]:
@@ -169,13 +172,16 @@ class SavedAudit:
     into ``report``; until the program's first backward, counts the forward's calls (``calls``: under ThunderFX one
     compiled program can serve several blocks of a step). ``plan``: the prediction it checks (read only)."""
 
-    def __init__(self, plan: ShardPlan, report: RunReport, expected: list[SavedStorage], names: list[str]):
-        self.plan, self.report, self.expected, self.names = plan, report, expected, names
+    def __init__(self, plan: ShardPlan, report: RunReport, expected: list[SavedStorage], names: list[str],
+                 clock: StepClock | None = None):
+        self.plan, self.report, self.expected, self.names, self.clock = plan, report, expected, names, clock
         self.done, self.counting, self.calls = False, True, 0
 
     def __call__(self, saved) -> None:
         if self.counting:
             self.calls += 1
+        if self.clock is not None:
+            self.clock.forward()
         if self.done:
             return
         self.done = True
@@ -193,23 +199,59 @@ class SavedAudit:
         return f"SavedAudit({len(self.expected)} storages)"
 
 
+class StepClock:
+    """The model's steps as the first-call checks of its programs see them (one clock a transform): a step begins
+    with the first forward after a backward, whichever program each rank compiled for it. Every rank runs its steps
+    together, so the clock is where a collective may run at run time: the calibration's one all-reduce, at the end of
+    the first forward of the step after :data:`CALIBRATION_STEP`. Its first backward ends the ranks' compiling
+    together (``on_backward``: from then on a rank may compile a shape of its own, alone)."""
+
+    def __init__(self):
+        self.reset()
+        self.agree: Callable[[int], int] = lambda mine: mine  # the largest reading over the ranks (set while compiling)
+        self.on_backward: Callable[[], None] = lambda: None
+
+    def reset(self) -> None:
+        """From step 0 again (a missed budget dropped every program: the new ones calibrate anew)."""
+        self.step, self.in_backward, self.done = 0, False, False
+        self.reading: tuple[int, Calibration] | None = None  # this rank's largest peak in the calibration step
+
+    def forward(self) -> None:
+        if not self.in_backward:
+            return
+        self.in_backward = False
+        self.step += 1
+        if self.step > CALIBRATION_STEP and not self.done:
+            self.done = True
+            if self.reading is not None:  # every rank alike: a device was read (none on the CPU)
+                mine, calibration = self.reading
+                calibration.calibrate(mine, self.agree(mine))
+
+    def backward(self, calibration: Calibration, peak: int | None) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self.on_backward()
+        if self.step == CALIBRATION_STEP and peak is not None and (self.reading is None or peak > self.reading[0]):
+            self.reading = (peak, calibration)
+
+
 class Calibration:
-    """The backward's check of the device's peak (``fp8shard_calibrate``'s state). ``peak(device)`` reads the device's
-    peak (:meth:`~thunder_fp8shard.memory.device.DeviceProbe.peak_allocated`; None on the CPU); ``agree`` takes this
-    rank's reading and returns the largest over the shard group; ``on_miss(error_bytes)`` is called, on every rank alike,
-    when the budget is missed; otherwise ``on_done()`` once the calibration is done (it removes both checks from the
-    program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). It reads the prediction of
-    ``plan`` as the audit corrected it and writes into ``report``. (A plain class: Thunder prints a dataclass constant
-    in the trace field by field.)"""
+    """The backward's check of the device's peak (``fp8shard_calibrate``'s state): it hands the model's
+    :class:`StepClock` the device's peak (``peak(device)``, :meth:`~thunder_fp8shard.memory.device.DeviceProbe.peak_allocated`;
+    None on the CPU) at each backward's end, and the clock has the program whose reading was the largest in the
+    calibration step record it (:meth:`calibrate`, with the largest over the ranks), compare it with ``plan``'s
+    prediction as the audit corrected it and, where ``budget_bytes`` is missed, call ``on_miss(error_bytes)`` on
+    every rank alike. Once the clock is done, the next backward calls ``on_done()`` (it removes both checks from the
+    program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). (A plain class: Thunder
+    prints a dataclass constant in the trace field by field.)"""
 
     def __init__(self, plan: ShardPlan, report: RunReport, device: str | None, budget_bytes: int | None,
-                 agree: Callable[[int], int], on_miss: Callable[[int], None], audit: SavedAudit,
+                 clock: StepClock, on_miss: Callable[[int], None], audit: SavedAudit,
                  on_done: Callable[[], str | None] | None = None,
                  peak: Callable[[str | None], int | None] = peak_allocated):
         self.plan, self.report, self.device, self.budget_bytes = plan, report, device, budget_bytes
-        self.agree, self.on_miss = agree, on_miss
-        self.peak = peak
-        self.audit, self.on_done, self.calls, self.done = audit, on_done, 0, False
+        self.clock, self.on_miss, self.peak = clock, on_miss, peak
+        self.audit, self.on_done, self.calls, self.done, self.missed = audit, on_done, 0, False, False
 
     def __call__(self) -> None:
         if self.done:
@@ -218,11 +260,12 @@ class Calibration:
         if self.calls == 1:  # the program's first backward: its forward ran this many times in the first step
             self.audit.counting = False
             self.report.runs_per_step = max(self.audit.calls, 1)
-        if self.calls < CALIBRATION_CALL * self.report.runs_per_step:  # the last backward of the calibration step
+        if self.clock.done:
+            self.done = True
+            if not self.missed:  # a missed budget dropped the program: nothing left to run without the checks
+                self._finish()
             return
-        self.done = True
-        if not self._calibrate():  # a missed budget drops the program: nothing left to run without the checks
-            self._finish()
+        self.clock.backward(self, self.peak(self.device))
 
     def _finish(self) -> None:
         """Both checks are done: the program runs without them from the next call on (``on_done``)."""
@@ -231,29 +274,25 @@ class Calibration:
                                       f"not removed after backward call {self.calls}: the program is not in "
                                       "Thunder's cache (or the pass was given no cache); both return at once")
 
-    def _calibrate(self) -> bool:
-        """Reads the device's peak, records it, and replans a missed budget (returns True then)."""
-        mine = self.peak(self.device)
-        if mine is None:
-            return False
-        measured = self.agree(mine)
+    def calibrate(self, mine: int, measured: int) -> None:
+        """Records the device's peak (``measured``: the largest over the ranks; ``mine``: this rank's) and replans a
+        missed budget."""
         predicted = self.report.corrected(self.plan).peak_bytes_after
         error = measured - predicted if predicted is not None else None
         missed = self.budget_bytes is not None and measured > self.budget_bytes
         self.report.calibration = CalibrationReading(measured, mine, predicted, error,
                                                      None if not predicted else 100.0 * error / predicted,
-                                                     f"end of backward call {CALIBRATION_CALL}", budget_missed=missed)
+                                                     CALIBRATION_AT, budget_missed=missed)
         if missed:
+            self.missed = True
             warnings.warn(
                 f"ShardIntermediates: the device peaked at {measured:,} B, over the budget {self.budget_bytes:,} B "
                 f"(predicted {predicted:,} B): the next call recompiles and plans with the {error:,} B error as a "
                 "measured term", RuntimeWarning, stacklevel=3)
             self.on_miss(error)
-            return True
-        return False
 
     def __repr__(self) -> str:
-        return f"Calibration(call {CALIBRATION_CALL})"
+        return f"Calibration(step {CALIBRATION_STEP})"
 
 
 def cache_dropper(compile_stats) -> Callable[[], None]:

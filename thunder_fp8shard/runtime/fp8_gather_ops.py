@@ -109,6 +109,10 @@ class GatherBatch:
     def __str__(self) -> str:
         return f"{len(self.specs)} weight(s): " + "; ".join(map(str, self.specs))
 
+    def collective_text(self) -> str:
+        """The all-gathers of the call, the same on every rank: each weight's shard rows and columns, over N ranks."""
+        return "; ".join(f"{s.rows}x{s.in_features} over {s.world_size}" for s in self.specs)
+
 
 class WeightGatherHandle(NamedTuple):
     work: Any  # the all-gather's work object

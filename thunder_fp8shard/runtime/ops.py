@@ -97,6 +97,12 @@ class ShardSpec:
         return (f"{self.shard_nbytes:,} B a rank: 1/{self.k} of {len(self.bucket_nbytes)} bucket(s) "
                 f"({self.method}{', verified' if self.verify else ''})")
 
+    def collective_text(self) -> str:
+        """The collectives the op runs, the same on every rank ("": slices of this rank's copies, none)."""
+        parts = ([f"reduce_scatter {list(self.bucket_nbytes)}/{self.k}"] if self.method == "reduce_scatter" else []) + (
+            [f"verify {sum(len(n) for n in self.names)}"] if self.verify else [])
+        return ", ".join(parts)
+
 
 class _Restore:
     """How one bucket's members come back from its gathered buffer: for each distinct dtype but ``uint8``, a view of

@@ -20,7 +20,9 @@ from thunder_fp8shard.testing.measure import saved_bytes
 @dataclass(frozen=True)
 class RunConfig:
     widths: tuple[int, ...] = (24, 64, 45, 7)
-    batch_sizes: tuple[int, ...] = (3, 5, 3)  # one optimizer step each: cache miss, new shape, cache hit
+    batch_sizes: tuple = (3, 5, 3)  # one optimizer step each: cache miss, new shape, cache hit; ``model="llama"``:
+    # (batch, sequence length) each
+    rank_batch_sizes: tuple = ()  # rank r's own ``batch_sizes`` (ranks that compile their own shapes), where given
     use_pass: bool = True
     options: dict = field(default_factory=dict)  # ShardIntermediates options
     rank_options: tuple[dict, ...] = ()  # rank r's options on top of ``options`` (rank-dependent values)
@@ -36,11 +38,30 @@ class RunConfig:
     mesh_shape: tuple[int, ...] | None = None  # "fsdp2" only: (replicate, shard) for HSDP over a 2-D mesh (its
     # product the world size); None: a 1-D mesh over every rank
     seed: int = 0
-    model: str = "mlp"  # "mlp": FakeFP8MLP(widths); "checkpointed": CheckpointedBlocks(widths[0], len(widths) - 1)
+    model: str = "mlp"  # "mlp": FakeFP8MLP(widths); "checkpointed": CheckpointedBlocks(widths[0], len(widths) - 1);
+    # "llama": a one-block FakeFP8Llama with LitGPT's rotary embedding (its inputs token ids)
 
     def options_of(self, rank: int) -> dict:
         """The ShardIntermediates options of rank ``rank``."""
         return {**self.options, **(self.rank_options[rank] if rank < len(self.rank_options) else {})}
+
+    def batches_of(self, rank: int) -> tuple:
+        """Rank ``rank``'s batch size (or shape) each step."""
+        return self.rank_batch_sizes[rank] if rank < len(self.rank_batch_sizes) else self.batch_sizes
+
+
+LLAMA = dict(n_layer=1, n_embd=32, n_head=4, intermediate_size=64, vocab_size=64, rope=True, block_size=64)
+
+
+def _model(cfg: RunConfig):
+    from thunder_fp8shard.testing.toy_models import CheckpointedBlocks, FakeFP8Llama, FakeFP8MLP
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == "checkpointed":
+        return CheckpointedBlocks(cfg.widths[0], len(cfg.widths) - 1)
+    if cfg.model == "llama":
+        return FakeFP8Llama(**LLAMA)
+    return FakeFP8MLP(cfg.widths)
 
 
 @dataclass
@@ -61,15 +82,10 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.testing.toy_models import CheckpointedBlocks, FakeFP8MLP
 
     if cfg.api == "fsdp2":
         return train_fsdp2(rank, world_size, cfg)
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "checkpointed":
-        model = CheckpointedBlocks(cfg.widths[0], len(cfg.widths) - 1)
-    else:
-        model = FakeFP8MLP(cfg.widths)
+    model = _model(cfg)
     shard = ShardIntermediates(**cfg.options_of(rank)).inject(**cfg.seams)
     extra = [shard] if cfg.use_pass else []
     strategy = FSDPType[cfg.sharding_strategy]
@@ -83,7 +99,7 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     opt = torch.optim.SGD(jm.parameters(), lr=0.1)
 
     result = RunResult([], [], [], None, [])
-    for step, batch in enumerate(cfg.batch_sizes):
+    for step, batch in enumerate(cfg.batches_of(rank)):
         gen, x, target = _batch(rank, step, batch, cfg.widths)
         with saved_bytes() as saved:
             out = jm(x)
@@ -92,7 +108,8 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         loss.backward()
         result.losses.append(loss.detach().clone())
         result.grads.append({n: p.grad.detach().clone() for n, p in jm.named_parameters()})
-        result.grads[-1]["input"] = x.grad.detach().clone()
+        if x.grad is not None:
+            result.grads[-1]["input"] = x.grad.detach().clone()
         result.saved_bytes.append(saved.total)
         opt.step()
         if step == 0:
@@ -120,8 +137,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     # every layer, grad mode and dynamic shape is its own Dynamo graph of the one FakeFP8Linear.forward (Thunder's
     # benchmark_litgpt raises the limit for FSDP2 too)
     torch._dynamo.config.cache_size_limit = 64
-    torch.manual_seed(cfg.seed)
-    model = FakeFP8MLP(cfg.widths)
+    model = _model(cfg)
     shard = ShardIntermediates(**cfg.options_of(rank)).inject(**cfg.seams)
     backend = ThunderCompiler(transforms=[shard] if cfg.use_pass else [])
     if cfg.mesh_shape is None:
@@ -129,7 +145,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     else:
         mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(cfg.mesh_shape):])
     reshard = {"ZERO3": True, "ZERO2": False}[cfg.sharding_strategy]
-    for layer in model.layers:
+    for layer in model.blocks if cfg.model == "llama" else model.layers:
         if cfg.compile_scope == "layers":
             layer.compile(backend=backend)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
@@ -138,7 +154,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     result = RunResult([], [], [], None, [])
-    for step, batch in enumerate(cfg.batch_sizes):
+    for step, batch in enumerate(cfg.batches_of(rank)):
         gen, x, target = _batch(rank, step, batch, cfg.widths)
         first = len(shard.plans)
         with saved_bytes() as saved:
@@ -149,7 +165,8 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
         loss.backward()
         result.losses.append(loss.detach().clone())
         result.grads.append({n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()})
-        result.grads[-1]["input"] = x.grad.detach().clone()
+        if x.grad is not None:
+            result.grads[-1]["input"] = x.grad.detach().clone()
         result.saved_bytes.append(saved.total)
         opt.step()
         if step == 0 and cfg.no_grad_call:
@@ -159,9 +176,13 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     return result
 
 
-def _batch(rank: int, step: int, batch: int, widths: tuple[int, ...]):
-    """This rank's data for one step (different on every rank), and the generator for anything drawn after it."""
+def _batch(rank: int, step: int, batch, widths: tuple[int, ...]):
+    """This rank's data for one step (different on every rank), and the generator for anything drawn after it.
+    ``batch``: the batch size, or (batch size, sequence length) of token ids for ``model="llama"``."""
     gen = torch.Generator().manual_seed(1000 * rank + step)
+    if isinstance(batch, tuple):
+        idx = torch.randint(0, LLAMA["vocab_size"], batch, generator=gen)
+        return gen, idx, torch.randn(*batch, LLAMA["vocab_size"], generator=gen)
     x = torch.randn(batch, widths[0], generator=gen, requires_grad=True)
     return gen, x, torch.randn(batch, widths[-1], generator=gen)
 

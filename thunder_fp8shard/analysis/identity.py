@@ -1,0 +1,82 @@
+"""Names that survive a recompilation: a tensor's structural key and a program's key.
+
+Ranks compile their own programs (a short last batch, dynamic padding: each rank traces its own shapes, whenever its
+shape first appears), and Thunder's proxy names are counters. The model's agreed layout
+(:mod:`thunder_fp8shard.distributed.layout`) therefore names the tensors it shards by how they are computed: a key is
+a hash of the operator, the keys of its arguments and its constants, down to the forward's inputs (by name: Thunder
+names parameters after the module's attributes). An argument that differs between ranks or shapes (the rank's
+activations) enters as a placeholder, so a weight's FP8 copy keeps its key whatever batch shape the linear saw.
+Devices enter by type and process groups by size, so that every rank computes the same keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from thunder.core import devices, dtypes
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.liveness import is_compute
+from thunder_fp8shard.analysis.saved import forward_inputs
+
+PER_RANK = "*"  # what an argument outside ``stable`` contributes to a key
+_COUNTER = re.compile(r"_\d+$")  # stateful operators are numbered per compilation (get_te_fp8_state_3)
+
+
+def _constant(x) -> str:
+    """A constant argument as the same text on every rank and in every compilation."""
+    if x is None or isinstance(x, (bool, int, float, str, slice, type(Ellipsis), torch.dtype, dtypes.dtype)):
+        return repr(x)
+    if isinstance(x, (tuple, list)):
+        return "(" + ",".join(_constant(v) for v in x) + ")"
+    if isinstance(x, (torch.device, devices.Device)):
+        return f"device:{x.type}"
+    if isinstance(x, dist.ProcessGroup):  # by size: subgroups of a partition are peers, each rank in its own
+        return f"group:{x.size()}"
+    return f"<{type(x).__name__}>"
+
+
+def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
+    """The structural key of every proxy in ``stable`` (names of ``trace``'s proxies whose value and shape are the
+    same in every compilation of the model, e.g. :attr:`~thunder_fp8shard.analysis.replication.Replication.replicated`)
+    that the trace's inputs and compute operators make. A key repeated in one trace (a weight used by two linears)
+    gets its occurrence number."""
+    stable = set(stable)
+    keys: dict[str, str] = {p.name: f"in:{p.name}" for p in forward_inputs(trace) if p.name in stable}
+    seen: dict[str, int] = {}
+
+    def arg(x) -> str:
+        if isinstance(x, Proxy):
+            return keys.get(x.name, PER_RANK)
+        return _constant(x)
+
+    for b in trace.bound_symbols:
+        if not is_compute(b):
+            continue
+        flat_args, _ = tree_flatten((b.args, b.kwargs))
+        op = _COUNTER.sub("", b.sym.name) + "(" + ",".join(arg(x) for x in flat_args) + ")"
+        for i, out in enumerate(b.flat_proxy_outs):
+            if out.name not in stable or out.name in keys:
+                continue
+            digest = hashlib.sha256(f"{op}[{i}]".encode()).hexdigest()[:24]
+            n = seen.get(digest, 0)
+            seen[digest] = n + 1
+            keys[out.name] = digest if n == 0 else f"{digest}#{n}"
+    return keys
+
+
+def program_key(trace: TraceCtx, parameters: Iterable[str]) -> str:
+    """What identifies one program of a model across recompilations: the names of its forward's tensor inputs (the
+    parameters and the batch, named after the module's attributes and the function's arguments), with the shapes
+    and dtypes of ``parameters`` (under ThunderFX the layers of one class are graphs of one code object: the same
+    names, their own weights' shapes; the batch's shape is each compilation's own)."""
+    parameters = set(parameters)
+    names = sorted(p.name + (f":{p.dtype}{list(p.shape)}" if p.name in parameters else "")
+                   for p in forward_inputs(trace) if isinstance(p, TensorProxy))
+    return hashlib.sha256(",".join(names).encode()).hexdigest()[:24]

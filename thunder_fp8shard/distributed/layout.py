@@ -1,0 +1,111 @@
+"""The model's layout: what every program of one model runs collectively, agreed once and kept.
+
+Ranks compile their own programs: a short last batch or dynamic padding gives a rank a shape of its own at some
+step, and Thunder compiles it on that rank alone, whenever it first appears. So a compilation may run no collective
+that the other ranks are not running at that moment, and the collectives of a step must be the same whichever
+program each rank runs. The pass therefore agrees a :class:`Layout` while the ranks compile together (the model's
+first compilation, before any backward ran; again after a missed budget drops every program) and realizes it in
+every later compilation without a collective: the same tensors sharded (by their structural keys,
+:mod:`thunder_fp8shard.analysis.identity`), in the same buckets and shard ops, and Thunder FSDP's collectives in the
+same order. A later program proves that it runs the agreed collectives by its :func:`signature`, the sequence of
+every collective it issues (Thunder's, TransformerEngine's amax all-reduces, the pass's) with their sizes and groups;
+a program that cannot (its structure differs, a member is missing) raises on the rank that compiled it, before any
+of its collectives runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from thunder.core.proxies import AnyProxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.identity import _constant
+from thunder_fp8shard.plan import ShardPlan
+
+THUNDER_COLLECTIVES = ("torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl", "torch_all_reduce_prim_impl",
+                       "torch_broadcast_prim_impl")
+TE_AMAX_ALL_REDUCE = "te_fp8_amax_and_scale_update"  # all-reduces each state's amax history (reduce_amax)
+PASS_COLLECTIVES = ("fp8shard_shard", "fp8shard_gather_start", "fp8shard_gather_next", "fp8shard_weight_gather_starts")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What every program of a model runs collectively: the sharded tensors by key, in buckets (in order of first
+    backward use) and shard ops, whether Thunder FSDP's collectives are rescheduled, and the collectives a program
+    issues (``signature``)."""
+
+    buckets: tuple[tuple[str, ...], ...] = ()
+    shard_ops: tuple[int, ...] = ()
+    reschedule: bool = False
+    signature: tuple[str, ...] = ()
+
+    @property
+    def digest(self) -> bytes:
+        text = "\n".join([repr(self.buckets), repr(self.shard_ops), repr(self.reschedule), *self.signature])
+        return hashlib.sha256(text.encode()).digest()
+
+    def fields(self) -> list[tuple[str, str]]:
+        """The layout as ``(field, value)`` pairs, for the error naming what differs between ranks."""
+        return [("reschedule", str(self.reschedule)), ("buckets", str(len(self.buckets))),
+                *((f"bucket {j}", f"{len(b)} tensor(s) of shard op {op}") for j, (b, op) in
+                  enumerate(zip(self.buckets, self.shard_ops))),
+                ("collectives", str(len(self.signature))),
+                *((f"collective {i}", c) for i, c in enumerate(self.signature))]
+
+
+def layout_of(plan: ShardPlan, keys: Mapping[str, str], reschedule: bool, sig: tuple[str, ...]) -> Layout:
+    """The layout of ``plan`` (made on a program whose tensors have ``keys``)."""
+    return Layout(tuple(tuple(keys[n] for n in b.members) for b in plan.buckets),
+                  tuple(b.shard_op for b in plan.buckets), reschedule, sig)
+
+
+def _arg(x) -> str:
+    if isinstance(x, TensorProxy):
+        return f"{str(x.dtype).removeprefix('thunder.dtypes.')}{list(x.shape)}"
+    if isinstance(x, AnyProxy):
+        return "-"
+    text = getattr(x, "collective_text", None)
+    return text() if callable(text) else _constant(x)
+
+
+def describe(bsym) -> str | None:
+    """One collective operator call as the same text on every rank (None: ``bsym`` runs no collective)."""
+    name = bsym.sym.name
+    if name.startswith(TE_AMAX_ALL_REDUCE):
+        return f"{TE_AMAX_ALL_REDUCE}({len(bsym.kwargs.get('states', ()))} states)"
+    if name not in THUNDER_COLLECTIVES and name not in PASS_COLLECTIVES:
+        return None
+    flat, _ = tree_flatten((bsym.args, bsym.kwargs))
+    if name == "fp8shard_shard":  # its spec says whether it runs any (a slice of this rank's copy does not)
+        text = next((x.collective_text() for x in flat if hasattr(x, "collective_text")), "")
+        return f"{name}({text})" if text else None
+    return f"{name}({', '.join(_arg(x) for x in flat)})"
+
+
+def signature(fw: TraceCtx, bw: TraceCtx) -> tuple[str, ...]:
+    """The collectives the program ``fw`` + ``bw`` issues, in order."""
+    return tuple(d for t in (fw, bw) for b in t.bound_symbols if (d := describe(b)) is not None)
+
+
+def first_difference(mine: tuple[str, ...], agreed: tuple[str, ...]) -> str:
+    """Where two signatures part, in words."""
+    for i, (a, b) in enumerate(zip(mine, agreed)):
+        if a != b:
+            return f"collective {i}: this program's '{a}', the agreed '{b}'"
+    i = min(len(mine), len(agreed))
+    return (f"collective {i}: this program's '{mine[i] if i < len(mine) else '(none)'}', the agreed "
+            f"'{agreed[i] if i < len(agreed) else '(none)'}'")
+
+
+@dataclass
+class Layouts:
+    """A transform's agreed layouts, by program key (:func:`~thunder_fp8shard.analysis.identity.program_key`), and
+    whether the ranks compile together now (``open``: until the first backward runs, and after a missed budget
+    drops every program)."""
+
+    open: bool = True
+    by_program: dict[str, Layout] = field(default_factory=dict)
