@@ -206,6 +206,23 @@ resched_ckpt_then_bf16_32() {  # s13: checkpointed FP8 "all" with and without re
     "resched": {"optimizer_states": 2, "candidates": "all", "reschedule": true}}' 40 --one-model -- $FLAGS --n_layers=32
 }
 
+# 2026-12-03, fourth session: where the default's CPU goes (issue #43), with every collective one kernel
+te_cost() {  # s14: CPU microseconds a call of the operations around a TE FP8 weight, fake group and one kernel
+  for mode in fake onekernel; do
+    flag=""; [ $mode = onekernel ] && flag="--one-kernel"
+    PYTHONPATH=benchmarks:$PYTHONPATH python3 benchmarks/te_call_cost.py $flag --out "$R/te_cost_$mode.json" \
+      > "$R/logs/te_cost_$mode.log" 2>&1
+  done
+  echo "te_cost rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
+decompose_8() {  # s14: the pass's CPU a step by operator (--decompose-iters), the old pass (1d0abc3) and this one
+  python3 benchmarks/paired.py --simulate 8 --one-model --timed 20 --decompose-iters 5 --arms '{"without": null,
+    "null": null, "old": {"optimizer_states": 2, "revision": "1d0abc3"}, "default": {"optimizer_states": 2}}' \
+    --out "$R/paired/decompose_fp8_l8_n8" -- $FLAGS $FP8 --n_layers=8 > "$R/logs/decompose_fp8_l8_n8.log" 2>&1
+  echo "decompose_8 rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -253,7 +270,9 @@ case "${1:-}" in
       s12) launch ckpt_resched_32_bf16 bf16_32_own; echo 2 > "$R/logs/expected" ;;
       # 2026-12-03, third session: reschedule timed (on by default?) and the GPU module on the final pass
       s13) export GPU_TEST_WORKERS=6; launch gpu_tests resched_fp8_32 resched_ckpt_then_bf16_32; echo 4 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|s2|s3|s4|s5|s6|s7|s8|s9|s10|s11|s12|s13"; exit 2 ;;
+      # 2026-12-03, fourth session: the GPU module on the layouts (issue #44), the TE calls' CPU, the decomposition
+      s14) export GPU_TEST_WORKERS=12; launch gpu_tests te_cost decompose_8; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s14"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -264,6 +283,6 @@ case "${1:-}" in
     grep -h "\[paired\]" "$R"/logs/*.log | cut -c1-200
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
-    tar czf "$OUT/sitting.tgz" -C "$R" . && ls -la "$OUT" ;;
+    tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
   *) echo "usage: $0 start s1|s2|collect"; exit 2 ;;
 esac
