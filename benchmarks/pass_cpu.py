@@ -15,7 +15,8 @@ def table(r: dict, top: int) -> str:
     """One comparison's ``pass_cpu`` as a heading line and a markdown table of its ``top`` operators."""
     p = r["pass_cpu"]
     kind = "null arm: the A/A check" if r.get("null") else "with the pass"
-    lines = [f"**{r['arm']}** vs {r['base']} ({kind}): net {p['net_ms_per_step']:+.3f} ms a step, gross "
+    wall = f" (wall {p['net_wall_ms_per_step']:+.3f})" if "net_wall_ms_per_step" in p else ""
+    lines = [f"**{r['arm']}** vs {r['base']} ({kind}): net {p['net_ms_per_step']:+.3f} ms of CPU a step{wall}, gross "
              f"{p['gross_ms_per_step']:.3f} ms ({p['iterations']} iterations a side; "
              f"{r.get('sim_collectives') or 'real'} collectives)", "",
              "| operator | pass's | calls (arm / base) | ms a step (arm / base) | difference ms |", "|---|---|---|---|---|"]

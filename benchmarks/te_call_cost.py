@@ -38,9 +38,11 @@ def main() -> None:
         collectives.install()
     import torch
     import torch.distributed as dist
+    import transformer_engine.pytorch  # noqa: F401  (loads its extension)
     import transformer_engine_torch as tex
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
+    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
 
     n = args.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
@@ -71,6 +73,9 @@ def main() -> None:
     r["cast this rank's rows, rowwise only (quantize_impl)"] = per_call_us(lambda: rows.quantize_impl(shard_rows),
                                                                           args.repeat, sync)
     r["Float8Tensor(...) from a gathered buffer"] = per_call_us(build, args.repeat, sync)
+    r["Float8TensorStorage(...) from a gathered buffer"] = per_call_us(
+        lambda: Float8TensorStorage(data=data, fp8_scale_inv=full._scale_inv, fp8_dtype=full._fp8_dtype,
+                                    data_transpose=None, quantizer=q, fake_dtype=torch.bfloat16), args.repeat, sync)
     r["Float8Tensor(...) + update_usage(columnwise only): the full transpose"] = per_call_us(columnwise, args.repeat,
                                                                                              sync)
     r["tex.fp8_transpose of the full weight"] = per_call_us(lambda: tex.fp8_transpose(data, full._fp8_dtype),
@@ -93,6 +98,12 @@ def main() -> None:
     r["one-kernel all-gather copy (expand)"] = per_call_us(
         lambda: shard.new_empty(shard.numel() * n).view(n, -1).copy_(shard.view(1, -1).expand(n, -1)), args.repeat,
         sync)
+    shards5 = [torch.empty(x, dtype=torch.uint8, device=dev) for x in (6 << 20, 2 << 20, 5 << 20, 5 << 20, 5 << 20)]
+    r["5 x _allgather_base (a layer's weights one by one)"] = per_call_us(
+        lambda: [group._allgather_base(x.new_empty(x.numel() * n), x, opts) for x in shards5], args.repeat, sync)
+    r["allgather_into_tensor_coalesced of the 5 (one call)"] = per_call_us(
+        lambda: group.allgather_into_tensor_coalesced([x.new_empty(x.numel() * n) for x in shards5], shards5, opts),
+        args.repeat, sync)
     r["torch.empty + copy_ of 1 MB (floor)"] = per_call_us(
         lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev).copy_(pieces[0]), args.repeat, sync)
     # the pass's operators on a bucket of the saved kind (columnwise only: the transpose), Llama-2-7b's layer shapes

@@ -21,21 +21,25 @@ from benchlib import op_timer, stats  # noqa: E402
 def test_pass_cpu_is_the_arms_ms_less_the_bases_summed_and_the_gross_is_its_own_operators():
     base = stats.op_summary([{"torch_all_gather_prim_impl": (4, 2_000_000), "torch_wait_prim_impl": (4, 400_000)},
                              {"torch_all_gather_prim_impl": (4, 4_000_000), "torch_wait_prim_impl": (4, 600_000)}])
-    assert base["torch_all_gather_prim_impl"] == {"calls": 4.0, "ms": 3.0, "ms_min": 2.0, "ms_max": 4.0}
+    # (calls, wall ns): the wall stands for the cpu too; (calls, wall ns, cpu ns): the cpu is "ms"
+    assert base["torch_all_gather_prim_impl"] == {"calls": 4.0, "ms": 3.0, "ms_min": 2.0, "ms_max": 4.0, "wall_ms": 3.0}
+    assert stats.op_summary([{"x": (1, 5_000_000, 1_000_000)}])["x"] == {"calls": 1.0, "ms": 1.0, "ms_min": 1.0,
+                                                                        "ms_max": 1.0, "wall_ms": 5.0}
     arm = stats.op_summary([{"torch_all_gather_prim_impl": (2, 1_000_000), "fp8shard_gather_next": (3, 1_500_000)},
                             {"torch_all_gather_prim_impl": (2, 1_000_000), "fp8shard_gather_next": (3, 2_500_000),
                              "fp8shard_rev_shard": (1, 200_000)}])
-    assert arm["fp8shard_rev_shard"] == {"calls": 0.5, "ms": 0.1, "ms_min": 0.0, "ms_max": 0.2}
+    assert arm["fp8shard_rev_shard"] == {"calls": 0.5, "ms": 0.1, "ms_min": 0.0, "ms_max": 0.2, "wall_ms": 0.1}
     got = stats.pass_cpu(base, arm, 2)
     assert got["net_ms_per_step"] == pytest.approx((1.0 - 3.0) + (0.0 - 0.5) + 2.0 + 0.1)
     assert got["gross_ms_per_step"] == pytest.approx(2.1) and got["iterations"] == 2
     rows = {r["operator"]: r for r in got["by_operator"]}
     assert rows["torch_wait_prim_impl"] == {"operator": "torch_wait_prim_impl", "pass": False, "arm_calls": 0.0,
-                                            "arm_ms": 0.0, "base_calls": 4.0, "base_ms": 0.5, "diff_ms": -0.5}
+                                            "arm_ms": 0.0, "base_calls": 4.0, "base_ms": 0.5, "diff_ms": -0.5,
+                                            "diff_wall_ms": -0.5}
     assert rows["fp8shard_rev_shard"]["pass"] and not rows["torch_all_gather_prim_impl"]["pass"]
     assert [r["operator"] for r in got["by_operator"]][:2] == ["fp8shard_gather_next", "torch_all_gather_prim_impl"]
     md = summary.table({"arm": "x", "base": "b", "null": False, "pass_cpu": got}, top=2)
-    assert "net -0.400 ms a step, gross 2.100 ms" in md and md.count("\n| `") == 2
+    assert "net -0.400 ms of CPU a step (wall -0.400), gross 2.100 ms" in md and md.count("\n| `") == 2
 
 
 class _Clock:
@@ -59,10 +63,10 @@ def test_nested_operators_count_their_self_time_once():
 
     g = {"inner": inner, "outer": outer}
     exec(compile("def computation():\n    outer()\n    inner()\n", "thunder.computation_0", "exec"), g)
-    t = op_timer.OpTimer(("inner", "outer"), clock=clock)
+    t = op_timer.OpTimer(("inner", "outer"), clock=clock, cpu_clock=clock)
     assert t.install([g["computation"]]) == 2 and t.install([g["computation"]]) == 2  # once, however often
     g["computation"]()
-    assert t.take() == {"outer": (1, 3), "inner": (2, 10)}
+    assert t.take() == {"outer": (1, 3, 3), "inner": (2, 10, 10)}
     t.uninstall()
     assert g["inner"] is inner and g["outer"] is outer
 
@@ -82,10 +86,10 @@ def test_the_te_linear_the_pass_calls_counts_as_te_s_not_the_pass_s():
     spec = WeightGatherSpec(None, 2, 0, 2, 2, 4, 3, torch.bfloat16, "w", te_linear_fwd)
     g = {"fp8shard_te_linear_fwd": fused, "_WeightGatherSpec_0": spec}
     exec(compile("def computation():\n    fp8shard_te_linear_fwd(_WeightGatherSpec_0)\n", "thunder.c_1", "exec"), g)
-    t = op_timer.OpTimer(op_timer.names(), clock=clock)
+    t = op_timer.OpTimer(op_timer.names(), clock=clock, cpu_clock=clock)
     assert t.install([g["computation"]]) == 2
     g["computation"]()
-    assert t.take() == {"fp8shard_te_linear_fwd": (1, 2), "te_functional_linear_fwd": (1, 7)}
+    assert t.take() == {"fp8shard_te_linear_fwd": (1, 2, 2), "te_functional_linear_fwd": (1, 7, 7)}
     t.uninstall()
     assert spec.linear is te_linear_fwd and g["fp8shard_te_linear_fwd"] is fused
 
@@ -108,9 +112,9 @@ def test_the_wrappers_are_what_an_already_compiled_program_calls(single_rank_gro
     first = t.take()
     params = len(list(jm.parameters()))
     assert first["torch_all_gather_prim_impl"][0] >= params and first["torch_reduce_scatter_prim_impl"][0] == params
-    assert first["torch_wait_prim_impl"][0] > 0 and all(ns > 0 for _, ns in first.values())
+    assert first["torch_wait_prim_impl"][0] > 0 and all(ns > 0 for _, ns, _ in first.values())
     jm(x).sum().backward()
-    assert {k: c for k, (c, _) in t.take().items()} == {k: c for k, (c, _) in first.items()}
+    assert {k: c for k, (c, *_) in t.take().items()} == {k: c for k, (c, *_) in first.items()}
     t.uninstall()
     jm(x).sum().backward()
     assert t.take() == {}

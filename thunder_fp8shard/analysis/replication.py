@@ -37,6 +37,7 @@ WAIT = "torch_wait_prim_impl"
 TE_LINEAR_FWD = "te_functional_linear_fwd"
 TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
 SLICE = "torch_slice_prim_impl"  # Thunder FSDP's unpad slice of a gathered parameter
+SHAPED = "a shape the program's constants set"
 # operators whose output shape the program's constants can set (not their tensor inputs' shapes alone)
 _SHAPING_PRIMS = {PrimIDs.FULL, PrimIDs.IOTA, PrimIDs.TENSOR_FROM_SEQUENCE, PrimIDs.BROADCAST_IN_DIM, PrimIDs.SLICE,
                   PrimIDs.UNFOLD, PrimIDs.TAKE, PrimIDs.TAKE_ALONG_AXIS, PrimIDs.GATHER, PrimIDs.PAD, PrimIDs.TOPK}
@@ -135,8 +136,8 @@ def _shaped_by_constants(bsym: BoundSymbol, out, waited: set[str]) -> str | None
         return None
     shaping = bsym.sym.name if not tensors else _shaping(bsym)
     if shaping:
-        return (f"a shape the program's constants set (`{shaping}`): it may follow this rank's input shapes, and "
-                "ranks compile their own shapes")
+        return (f"{SHAPED} (`{shaping}`): it may follow this rank's input shapes, and ranks compile their own "
+                "shapes")
     return None
 
 
@@ -184,11 +185,13 @@ def _prim_id(bsym: BoundSymbol) -> PrimIDs | None:
 
 
 def _first_origin(proxies, origin) -> str | None:
-    for p in _flat_proxies(proxies):
-        why = origin(p)
-        if why is not None:
-            return why if why.startswith("derived from") else f"derived from {why}"
-    return None
+    """Why the first per-rank argument is per-rank (None: every argument is replicated), preferring an argument
+    traced to the rank's own data over one whose shape the program's constants set."""
+    whys = [why for p in _flat_proxies(proxies) if (why := origin(p)) is not None]
+    if not whys:
+        return None
+    why = next((w for w in whys if SHAPED not in w), whys[0])
+    return why if why.startswith("derived from") else f"derived from {why}"
 
 
 def _input_reason(arg: Proxy) -> str:

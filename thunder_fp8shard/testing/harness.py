@@ -43,7 +43,20 @@ def run_simulated(fn: Callable[..., Any], world_size: int, *args, rank: int = 0,
     return _run(fn, world_size, (rank,), args, timeout_s, "fake")[0]
 
 
-def _run(fn, world_size: int, ranks: tuple[int, ...], args, timeout_s: float, backend: str) -> list[Any]:
+def _run(fn, world_size: int, ranks: tuple[int, ...], args, timeout_s: float, backend: str, tries: int = 3
+         ) -> list[Any]:
+    """``fn`` on ``ranks``; started again (up to ``tries`` times) where the port picked for the ranks to meet on was
+    taken by another process before they bound it (EADDRINUSE: tests run side by side)."""
+    for attempt in range(tries):
+        try:
+            return _run_once(fn, world_size, ranks, args, timeout_s, backend)
+        except RuntimeError as e:
+            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size: int, ranks: tuple[int, ...], args, timeout_s: float, backend: str) -> list[Any]:
     port = _free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
