@@ -223,6 +223,19 @@ decompose_8() {  # s14: the pass's CPU a step by operator (--decompose-iters), t
   echo "decompose_8 rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
 }
+te_cost_then_decompose_2() {  # s15: the TE calls' CPU alone, then the default with and without the FP8 forward
+  # gather at 2 layers, every collective one kernel, the operators' thread CPU time (no other job on the device)
+  for mode in fake onekernel; do
+    flag=""; [ $mode = onekernel ] && flag="--one-kernel"
+    PYTHONPATH=benchmarks:$PYTHONPATH python3 benchmarks/te_call_cost.py --repeat 100 $flag \
+      --out "$R/te_cost_$mode.json" > "$R/logs/te_cost_$mode.log" 2>&1
+  done
+  python3 benchmarks/paired.py --simulate 8 --one-model --timed 12 --decompose-iters 8 --arms '{"without": null,
+    "null": null, "default": {"optimizer_states": 2}, "nofwd": {"optimizer_states": 2, "fp8_forward_gather": false}}' \
+    --out "$R/paired/decompose_fp8_l2_n8" -- $FLAGS $FP8 --n_layers=2 > "$R/logs/decompose_fp8_l2_n8.log" 2>&1
+  echo "te_cost_then_decompose_2 rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -272,7 +285,8 @@ case "${1:-}" in
       s13) export GPU_TEST_WORKERS=6; launch gpu_tests resched_fp8_32 resched_ckpt_then_bf16_32; echo 4 > "$R/logs/expected" ;;
       # 2026-12-03, fourth session: the GPU module on the layouts (issue #44), the TE calls' CPU, the decomposition
       s14) export GPU_TEST_WORKERS=12; launch gpu_tests te_cost decompose_8; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s14"; exit 2 ;;
+      s15) launch te_cost_then_decompose_2; echo 1 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s15"; exit 2 ;;
     esac
     echo started ;;
   collect)

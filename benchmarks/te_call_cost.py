@@ -72,6 +72,15 @@ def main() -> None:
     r["cast full weight, rowwise + columnwise (TE's own cast in the linear)"] = per_call_us(lambda: q(w), args.repeat, sync)
     r["cast this rank's rows, rowwise only (quantize_impl)"] = per_call_us(lambda: rows.quantize_impl(shard_rows),
                                                                           args.repeat, sync)
+    dst = rows.quantize_impl(shard_rows)  # a storage to cast into again: fresh buffers, no new object
+
+    def cast_into():
+        dst._data = torch.empty(shard_rows.shape, dtype=torch.uint8, device=dev)
+        dst._scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        tex.quantize(shard_rows, rows, dst, None)
+
+    r["cast this rank's rows into fresh buffers of a kept storage (tex.quantize with an output)"] = per_call_us(
+        cast_into, args.repeat, sync)
     r["Float8Tensor(...) from a gathered buffer"] = per_call_us(build, args.repeat, sync)
     r["Float8TensorStorage(...) from a gathered buffer"] = per_call_us(
         lambda: Float8TensorStorage(data=data, fp8_scale_inv=full._scale_inv, fp8_dtype=full._fp8_dtype,
