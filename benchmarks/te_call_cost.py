@@ -87,7 +87,7 @@ def main() -> None:
                                     data_transpose=None, quantizer=q, fake_dtype=torch.bfloat16), args.repeat, sync)
     r["Float8Tensor(...) + update_usage(columnwise only): the full transpose"] = per_call_us(columnwise, args.repeat,
                                                                                              sync)
-    r["tex.fp8_transpose of the full weight"] = per_call_us(lambda: tex.fp8_transpose(data, full._fp8_dtype),
+    r["tex.fp8_transpose of the full weight"] = per_call_us(lambda: tex.fp8_transpose(data, full._fp8_dtype, out=None),
                                                             args.repeat, sync)
     r["this rank's 1/N of the transpose: torch.empty + copy_ of a column block"] = per_call_us(
         lambda: torch.empty((cols, out), dtype=torch.uint8, device=dev).copy_(data[:, :cols].t()), args.repeat, sync)
