@@ -124,12 +124,12 @@ def test_gathered_weights_whose_shard_is_the_parameter_are_exact_and_keep_no_cop
     assert {d.shape for d in own.values()} == {(64, 24), (8, 47)}, [(d.name, d.shape) for d in own.values()]
     assert len({d.shard_source for d in own.values()}) == len(own)
     assert all(d.sharded and d.dtype == "float32" and d.bytes_saved == d.nbytes for d in own.values())
-    by_member = {b.members[0]: b for b in plan.buckets}
-    for name, d in own.items():  # a bucket of its own, with no shard op call
+    by_member = {m: b for b in plan.buckets for m in b.members}
+    for name, d in own.items():  # buckets of inputs (one coalesced all-gather each), with no shard op call
         b = by_member[name]
-        assert b.members == (name,) and b.source == d.shard_source
+        assert b.sources and b.sources[b.members.index(name)] == d.shard_source
         assert sum(1 for o in plan.buckets if o.shard_op == b.shard_op) == 1
-    made = {b.shard_op for b in plan.buckets if not b.source}
+    made = {b.shard_op for b in plan.buckets if not b.sources}
     assert plan.operator_calls["fp8shard_shard"] == len(made)
     from thunder_fp8shard.reporting.plan_text import plan_text
 

@@ -202,17 +202,26 @@ def test_buckets_grow_where_the_model_says_it_costs_no_peak():
     assert [b.members for b in too_small] == [("W2",), ("W1",)]
 
 
-def test_a_tensor_whose_shard_is_an_input_is_a_bucket_of_its_own_and_keeps_no_bytes():
-    """W1's shard is the parameter shard it was all-gathered from (analysis.own_shards): it never joins another
-    bucket or shard op, and the model holds nothing for its shard (the caller keeps the input anyway)."""
+def test_a_tensor_whose_shard_is_an_input_never_travels_with_copies_and_keeps_no_bytes():
+    """W1's shard is the parameter shard it was all-gathered from (analysis.own_shards): it never joins a bucket or
+    shard op of copied tensors, and the model holds nothing for its shard (the caller keeps the input anyway)."""
     own = [replace(FREE_SOUND[0], shard_source="p1"), FREE_SOUND[1]]
     merged = group(own, FREE_MODEL, prefetch=0, bucket_bytes=1024, k=2)
-    assert [(b.members, b.source) for b in merged] == [(("W2",), ""), (("W1",), "p1")]
+    assert [(b.members, b.sources) for b in merged] == [(("W2",), ()), (("W1",), ("p1",))]
     assert merged[0].shard_op != merged[1].shard_op
     copied = group(FREE_SOUND, FREE_MODEL, prefetch=0, bucket_bytes=0, k=2)
     # step 7 (after A's peak): the W2 shard (256 B) in both, W1's 256 B shard only where it is copied
     assert FREE_MODEL.evaluate(copied).live_bytes[7] - FREE_MODEL.evaluate(merged).live_bytes[7] == 256
     assert own[0].bytes_saved == 512 and FREE_SOUND[0].bytes_saved == 256
+
+
+def test_tensors_whose_shards_are_inputs_travel_together_in_one_coalesced_bucket():
+    """W1 and W2 both all-gathered from their parameter shards: one bucket (one coalesced all-gather of the two
+    inputs, each member's 512 B apart in the gathered buffer), no shard op call, nothing kept."""
+    own = [replace(FREE_SOUND[0], shard_source="p1"), replace(FREE_SOUND[1], shard_source="p2")]
+    (b,) = group(own, FREE_MODEL, prefetch=0, bucket_bytes=1024, k=2)
+    assert (b.members, b.sources) == (("W2", "W1"), ("p2", "p1"))
+    assert (b.shard_nbytes, b.gathered_nbytes) == (512, 512 + 512)  # the inputs; each member whole, 256-aligned
 
 
 def test_budget_is_in_device_bytes_the_terms_outside_the_program_count():

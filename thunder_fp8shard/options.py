@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, fields
 
-CANDIDATE_KINDS = ("fp8", "all")
+CANDIDATE_KINDS = ("auto", "fp8", "all")
 COMPACTS = ("auto", "off")
 SHARD_METHODS = ("slice", "reduce_scatter")
 POLICIES = ("all", "peak", "budget")
@@ -16,7 +16,9 @@ COMMS = ("shared", "dedicated")
 class ShardOptions:
     """What to shard and how. One line an option here; docs/options.md says each in full, with its measurements.
 
-    candidates: ``"fp8"``: float8 and TransformerEngine's quantized saved tensors; ``"all"``: every saved tensor.
+    candidates: ``"auto"``: float8 and TransformerEngine's quantized saved tensors, and those whose shard is an input
+        already (an all-gathered parameter of at least 1 MiB, nothing copied); ``"fp8"``: the first alone; ``"all"``:
+        every saved tensor (bf16 bytes copied too).
     min_bytes: smaller candidates (and compactions freeing less) are left alone.
     compact: ``"auto"``: a saved view that keeps a larger storage alive is replaced by a compact copy where that
         frees at least what it copies (:mod:`thunder_fp8shard.analysis.compaction`); ``"off"``: never.
@@ -36,7 +38,8 @@ class ShardOptions:
     shard_group_size: keep a 1/k shard over runs of k consecutive ranks (:mod:`thunder_fp8shard.distributed.shard_groups`).
     group: the process group, for a compilation whose setup names none.
     fp8_forward_gather: under Thunder FSDP with TE's DelayedScaling, all-gather each TE linear weight as this rank's
-        FP8 rows (uint8) instead of bf16, bitwise identical (:mod:`thunder_fp8shard.rewrite.fp8_gather`).
+        FP8 rows (uint8) instead of bf16, bitwise identical (:mod:`thunder_fp8shard.rewrite.fp8_gather`): half the
+        forward's all-gather bytes for about 27 us of CPU a weight; off by default (a saving of communication only).
     reschedule: where the memory model predicts a lower peak (activation checkpointing), move Thunder FSDP's
         forward all-gathers to a few ahead of their use and each gradient's reduce-scatter to right after the
         gradient (:mod:`thunder_fp8shard.rewrite.collective_schedule`); False: Thunder's order always.
@@ -46,7 +49,7 @@ class ShardOptions:
     The other options must be the same on every rank; where they give different collectives, compilation raises.
     """
 
-    candidates: str = "fp8"
+    candidates: str = "auto"
     min_bytes: int = 1024
     compact: str = "auto"
     method: str = "slice"
@@ -61,8 +64,8 @@ class ShardOptions:
     loss_bytes: int | None = None
     group: object = None
     shard_group_size: int | None = None
-    fp8_forward_gather: bool = True
-    reschedule: bool = False
+    fp8_forward_gather: bool = False
+    reschedule: bool = True
 
     def __post_init__(self) -> None:
         _one_of("candidates", self.candidates, CANDIDATE_KINDS)

@@ -138,8 +138,10 @@ class Bucket:
     shard_op: int = 0  # index of the forward shard op that keeps this bucket's shard (one op can serve several)
     shard_offset: int = 0  # where this bucket's shard starts in that op's output (bytes)
     shard_until: int | None = None  # last step that op's shard is held: the wait of its last bucket
-    source: str = ""  # the forward input that is this rank's shard (Decision.shard_source): no shard op call, no
-    # bytes kept; the bucket is its own "shard op" (index ``shard_op``, never shared)
+    # the forward inputs that are this rank's shards of its members (Decision.shard_source), one each: no shard op
+    # call, no bytes kept; one coalesced all-gather of them; the bucket is its own "shard op" (``shard_op``, never
+    # shared). Empty: a shard op's bucket
+    sources: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from thunder_fp8shard.analysis.candidates import Candidate, find_candidates, saved_bytes_by_dtype
+from thunder_fp8shard.analysis.candidates import (
+    AUTO_INPUT_SHARD_MIN_BYTES, TENSOR, Candidate, find_candidates, saved_bytes_by_dtype,
+)
 from thunder_fp8shard.analysis.own_shards import own_shards
 from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.replication import Replication, analyze_replication
@@ -47,7 +49,20 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_ter
     test injects another, see :class:`thunder_fp8shard.pipeline.Seams`); ``resized``: storages the pass's forward
     rewrite makes another size (:func:`~thunder_fp8shard.memory.model.memory_model`); ``shard_ranks``: the shard
     group's global ranks in its order (:func:`~thunder_fp8shard.analysis.own_shards.own_shards`)."""
-    candidates = find_candidates(facts.saved, options.candidates, facts.te_names) if setup is not None else []
+    auto = options.candidates == "auto"
+    candidates = find_candidates(facts.saved, "all" if auto else options.candidates, facts.te_names) if (
+        setup is not None) else []
+    sources = {}
+    if setup is not None and len(shard_ranks) > 1:
+        inputs = [p for p in facts.inputs if p.name not in facts.saved_names]  # one saved, counted once
+        names = [c.name for c in candidates]
+        sources = {n: p.name for n, p in own_shards(facts.forward, names, inputs, ranks=shard_ranks).items()}
+    if auto:  # FP8 copies, and the tensors whose shards are inputs already (nothing copied), where that is worth it
+        # and the setup does not keep them gathered on purpose (ZeRO-2)
+        inputs_too = setup is not None and not setup.keeps_gathered
+        candidates = [c for c in candidates if c.kind != TENSOR or (inputs_too and c.name in sources and
+                                                                     c.payload_bytes >= AUTO_INPUT_SHARD_MIN_BYTES)]
+        sources = {n: s for n, s in sources.items() if n in {c.name for c in candidates}}
     model = memory_model(facts, candidates, options=options, device=device,
                          gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device),
                          resized=resized)
@@ -57,10 +72,5 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_ter
     if setup is not None:
         fw = facts.forward
         replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
-    sources = {}
-    if setup is not None and len(shard_ranks) > 1:
-        inputs = [p for p in facts.inputs if p.name not in facts.saved_names]  # one saved, counted once
-        names = [c.name for c in candidates]
-        sources = {n: p.name for n, p in own_shards(facts.forward, names, inputs, ranks=shard_ranks).items()}
     return Analysis(tuple(candidates), model, replication, facts.saved_names, facts.model_io,
                     saved_bytes_by_dtype(facts.saved, facts.te_names), sources)

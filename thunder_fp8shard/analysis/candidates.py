@@ -14,7 +14,10 @@ from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
 FLOAT8 = "float8"  # a tensor with a torch float8 dtype
 TE_FLOAT8 = "te_float8"  # a TransformerEngine quantized tensor; its proxy prints the high-precision dtype
-TENSOR = "tensor"  # any other tensor (candidates="all")
+TENSOR = "tensor"  # any other tensor (candidates="all"; under "auto" where its shard is an input already)
+# candidates="auto": a tensor whose shard is an input (an all-gathered parameter, analysis.own_shards) of fewer bytes
+# costs a collective a step for what a norm's weight weighs
+AUTO_INPUT_SHARD_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
         sizes = ", ".join(f"{nbytes_of.get(n, 0):,}" for n in b.members)
         fields.append((f"bucket {b.index}", f"bytes {b.shard_offset:,}-{b.shard_offset + b.shard_nbytes:,} of shard op "
                        f"{b.shard_op}, members of {sizes} B, {b.gathered_nbytes:,} B gathered, issued at step "
-                       f"{b.gather_at}, waited before step {b.first_use}" + (", its shard an input" if b.source else "")))
+                       f"{b.gather_at}, waited before step {b.first_use}" + (f", its shards {len(b.sources)} input(s)" if b.sources else "")))
     order = sorted(plan.buckets, key=lambda b: (b.gather_at, b.index))
     fields.append(("gather order", ", ".join(str(b.index) for b in order) or "-"))
     # fp8_forward_gather: a weight gathered in FP8 on one rank and in bf16 on another would hang the forward

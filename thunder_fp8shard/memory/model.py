@@ -113,7 +113,7 @@ class MemoryModel:
     def sharded_storages(self, b: Bucket) -> ShardedStorages:
         """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.analysis.liveness.with_sharding`."""
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
-        kept = 0 if b.source else b.shard_nbytes  # a forward input's bytes, held by the caller anyway
+        kept = 0 if b.sources else b.shard_nbytes  # forward inputs' bytes, held by the caller anyway
         return ShardedStorages(f"bucket{b.index}", lives, kept, b.gathered_nbytes, b.shard_at, b.gather_at,
                                b.first_use, b.shard_until, b.gathered_nbytes if self.gather_scratch else 0)
 

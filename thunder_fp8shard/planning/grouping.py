@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
-from thunder_fp8shard.planning.layout import bucket_layout, packed_offsets
+from thunder_fp8shard.planning.layout import bucket_layout, packed_offsets, sources_layout
 from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.plan import Bucket, Compaction, Decision
 
@@ -53,7 +54,7 @@ def place(
     """
     placements = model.placements
     first_uses = [placements[b[0].name].first_use for b in buckets]
-    layouts = [bucket_layout([d.nbytes for d in b], k) for b in buckets]
+    layouts = [_layout(b, k) for b in buckets]
     shard_at: dict[int, int] = {}
     until: dict[int, int] = {}
     members_of: dict[int, list[int]] = {}
@@ -71,10 +72,25 @@ def place(
             shard_at=shard_at[ops[j]], first_use=first_uses[j],
             gather_at=model.backward_body_start if (src := prefetched_by(j, prefetch)) is None else first_uses[src],
             shard_op=ops[j], shard_offset=offsets[j], shard_until=until[ops[j]],
-            source=b[0].shard_source if len(b) == 1 else "",
+            sources=tuple(d.shard_source for d in b) if all(d.shard_source for d in b) else (),
         )
         for j, b in enumerate(buckets)
     ]
+
+
+class _Sizes(NamedTuple):
+    shard_nbytes: int
+    gathered_nbytes: int
+
+
+def _layout(bucket: Sequence[Decision], k: int) -> _Sizes:
+    """A bucket's bytes a rank and gathered: a shard op's layout (members packed, split in ``k``), or, where every
+    member's shard is a forward input, the coalesced all-gather's (each member's gathered bytes apart; the rank's
+    inputs are its shards)."""
+    if all(d.shard_source for d in bucket):
+        return _Sizes(sum(d.nbytes // k for d in bucket), sources_layout([d.nbytes for d in bucket]).nbytes)
+    lay = bucket_layout([d.nbytes for d in bucket], k)
+    return _Sizes(lay.shard_nbytes, lay.gathered_nbytes)
 
 
 def group(
@@ -94,11 +110,12 @@ def group(
     ceiling = (1 - HEADROOM) * reference.max()
     fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
 
-    # buckets: one all-gather each
-    # a tensor whose shard is a forward input (Decision.shard_source) is a bucket and a shard op of its own
+    # buckets: one all-gather each; tensors whose shards are forward inputs (Decision.shard_source) travel apart from
+    # those a shard op keeps (one coalesced all-gather of the inputs), and are shard ops of their own
+    mixed = lambda run: len({bool(d.shard_source) for d in run}) > 1  # noqa: E731
     own = lambda run: len(run) > 1 and any(d.shard_source for d in run)  # noqa: E731
     buckets = _grow(
-        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes and not own(run),
+        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes and not mixed(run),
         lambda parts: fits(build([[d for b in p for d in b] for p in parts], range(len(parts)))),
     )
     merged = [[d for b in p for d in b] for p in buckets]
@@ -171,7 +188,7 @@ def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucke
     def moved(c: Compaction, step: int, op: int | None) -> Compaction:
         return replace(c, compact_at=step, shard_op=op, moved_from=c.compact_at if step != c.compact_at else None)
 
-    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets if not b.source})  # a source's bucket: no call
+    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets if not b.sources})  # a sources' bucket: no call
     for c in sorted(taken.values(), key=lambda c: c.compact_at):
         op = next(((step, k) for step, k in anchors if step >= c.compact_at), None)
         if op is not None and peak_holds(trial := {**taken, c.storage: moved(c, *op)}):

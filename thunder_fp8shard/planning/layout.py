@@ -69,6 +69,13 @@ def _bucket_layout(sizes: tuple[int, ...], k: int) -> BucketLayout:
     return BucketLayout(tuple(offsets), sizes, k)
 
 
+def sources_layout(sizes: list[int] | tuple[int, ...]) -> BucketLayout:
+    """The gathered buffer of a bucket whose members' shards are forward inputs (their parameter shards), gathered
+    by one coalesced all-gather: each member's whole gathered bytes (``sizes``: ``k`` times its input's) at the next
+    multiple of ``ALIGN``, so that each comes back as a view."""
+    return bucket_layout(sizes, 1)
+
+
 def packed_offsets(sizes: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     """Offsets of segments packed back to back, and the total: how one shard op keeps the shards of its buckets (no
     gaps, so the shard is one copy of its pieces and its bytes are exactly the shards'; the shards of real weights

@@ -116,8 +116,9 @@ def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
         return "no candidates: the forward saves no tensor for backward"
     dtypes = ", ".join(f"{fmt_bytes(n)} {dt}" for dt, n in saved_by_dtype.items())
     words = f"no candidates: the forward saves {dtypes} (each tensor's bytes, by dtype)"
-    if options.candidates == "fp8":
-        words += ('; candidates="fp8" considers float8 tensors (and TransformerEngine\'s quantized ones) only: '
+    if options.candidates in ("auto", "fp8"):
+        words += (f'; candidates="{options.candidates}" considers float8 tensors (and TransformerEngine\'s quantized '
+                  'ones), and under "auto" all-gathered parameters of at least 1 MiB (their shard is an input): '
                   'candidates="all" would consider these, or save FP8 copies of the weights for backward (e.g. from a '
                   'straight-through torch.autograd.Function whose forward saves the float8 weight and whose backward '
                   'upcasts it: docs/fp8_copies.md); a float8 weight upcast in the forward '

@@ -153,8 +153,8 @@ def _forward_gather_lines(plan: ShardPlan) -> list[str]:
 
 def _shard_op_words(plan: ShardPlan) -> str:
     """How many shard ops keep the buckets' shards, and how many buckets' shards are forward inputs instead."""
-    own = sum(1 for b in plan.buckets if b.source)
-    ops = len({b.shard_op for b in plan.buckets if not b.source})
+    own = sum(len(b.sources) for b in plan.buckets)
+    ops = len({b.shard_op for b in plan.buckets if not b.sources})
     return f"{ops} shard op(s)" + (f" and {own} parameter shard(s) the forward all-gathered (no copy)" if own else "")
 
 

@@ -43,7 +43,7 @@ class BucketRequest:
     shard_nbytes: int
     wait_before: BoundSymbol
     start_before: BoundSymbol | None
-    source: TensorProxy | None = None  # the forward input that is this rank's shard (Bucket.source): no shard op
+    sources: tuple[TensorProxy, ...] = ()  # the forward inputs that are this rank's shards (Bucket.sources): no shard op
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,14 @@ def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest]
     symbols of the forward, then of the backward)."""
     fw, bw, n_fw = facts.forward, facts.backward, facts.backward_start
     proxy_of = {p.name: p for p in facts.saved}
-    input_of = {p.name: p for p in facts.inputs} if any(b.source for b in plan.buckets) else {}
+    input_of = {p.name: p for p in facts.inputs} if any(b.sources for b in plan.buckets) else {}
     ops_of: dict[int, list[BucketRequest]] = {}
     after: dict[int, BoundSymbol] = {}
     for j, b in enumerate(plan.buckets):
         start = None if prefetched_by(j, plan.prefetch) is None else bw.bound_symbols[b.gather_at - n_fw]
         ops_of.setdefault(b.shard_op, []).append(BucketRequest(
             tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
-            start, input_of[b.source] if b.source else None))
+            start, tuple(input_of[n] for n in b.sources)))
         after[b.shard_op] = fw.bound_symbols[b.shard_at]
     by_op: dict[int, list[TensorProxy]] = {}  # compactions a shard op makes
     by_step: dict[int, list[TensorProxy]] = {}  # the others: one call a step
@@ -99,9 +99,10 @@ class ShardedBucket:
     """What the forward hands to the backward for one bucket."""
 
     originals: tuple[TensorProxy, ...]  # the proxies the backward consumes; the wait re-creates them
-    shard: TensorProxy  # what is saved instead (flat uint8; shared by the buckets of one shard op)
-    shard_offset: int  # this bucket's bytes in ``shard``
-    shard_nbytes: int
+    shard: TensorProxy | tuple  # what is saved instead (flat uint8; shared by the buckets of one shard op), or the
+    # forward inputs that are the members' shards (all-gathered together)
+    shard_offset: int | tuple  # this bucket's bytes in ``shard``; for inputs, where each member's lie when gathered
+    shard_nbytes: int  # ``shard``'s bytes a rank; for inputs, the gathered buffer's
     restorer: AnyProxy  # saved alongside, in the non-tensor list
     request: BucketRequest  # where the backward waits for it and issues its all-gather
 
@@ -110,7 +111,7 @@ class ShardedBucket:
 class ForwardRewrite:
     trace: TraceCtx
     sharded: tuple[ShardedBucket, ...]
-    shards: tuple[TensorProxy, ...]  # saved instead of the sharded tensors: one per shard op, and each bucket's source
+    shards: tuple[TensorProxy, ...]  # saved instead of the sharded tensors: one per shard op, and each bucket's sources
     saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
     k: int  # the shard group's size: what each shard is 1/k of
     compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
@@ -124,7 +125,7 @@ def rewrite_forward(
     instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
     ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views (``facts``: of the
     program the plan was made on; its forward is rewritten, not modified). A bucket whose shard is a forward input
-    (``BucketRequest.source``) has no shard op: that input is saved instead of its member, and its restorer is a
+    (``BucketRequest.sources``) has no shard op: its inputs are saved instead of its members, and its restorer is a
     constant of the backward (:class:`~thunder_fp8shard.runtime.ops.SourceRestorer`)."""
     fw = facts.forward
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
@@ -143,11 +144,11 @@ def rewrite_forward(
             inserted_after.setdefault(position[id(c.after)], []).extend(scope)
             compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
         for op in shard_ops:
-            if op.buckets[0].source is not None:  # its own shard op (grouping.group): nothing to insert
+            if op.buckets[0].sources:  # its own shard op (grouping.group): nothing to insert
                 (r,) = op.buckets
-                restorer = ops.SourceRestorer.of(r.members[0], k)
-                sharded.append(ShardedBucket(r.members, r.source, 0, r.shard_nbytes, restorer, r))
-                shards.append(r.source)
+                restorer = ops.SourceRestorer.of(r.members, k)
+                sharded.append(ShardedBucket(r.members, r.sources, restorer.offsets, restorer.nbytes, restorer, r))
+                shards.extend(r.sources)
                 continue
             scope = []
             new.push_scope(scope)

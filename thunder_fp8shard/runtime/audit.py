@@ -94,7 +94,7 @@ def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewri
     life_of = storage_of(model.lives)
     copy_of = {view.name: copy for view, copy in rewrite.compacted}
     copies = {copy_of[m].name: (c, j) for c in plan.compacted for j, m in enumerate(c.members)}
-    made = [s for s in rewrite.sharded if s.request.source is None]  # a source (a forward input) is the input's life
+    made = [s for s in rewrite.sharded if not s.request.sources]  # sources (forward inputs) live as the inputs
     shard_ops = {s.shard.name: [] for s in made}
     for s in made:
         shard_ops[s.shard.name].append(s)

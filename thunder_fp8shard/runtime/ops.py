@@ -49,7 +49,7 @@ from thunder.extend import OperatorExecutor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from thunder_fp8shard.runtime import payload
-from thunder_fp8shard.planning.layout import BucketLayout, bucket_layout, packed_offsets
+from thunder_fp8shard.planning.layout import BucketLayout, bucket_layout, packed_offsets, sources_layout
 
 executor = OperatorExecutor("fp8shard")
 
@@ -158,23 +158,25 @@ class Restorer:
 
 
 class SourceRestorer:
-    """The restorer of a bucket whose shard is a forward input (:mod:`thunder_fp8shard.analysis.own_shards`): one
-    plain tensor, the all-gathered buffer itself viewed as it; no state, so one object serves every step (a constant
-    of the backward trace, not a saved value)."""
+    """The restorer of a bucket whose shards are forward inputs (:mod:`thunder_fp8shard.analysis.own_shards`), all
+    gathered by one coalesced all-gather: each member a plain tensor, a view of its part of the gathered buffer
+    (``offsets``, ``nbytes``: :func:`~thunder_fp8shard.planning.layout.sources_layout`); no state, so one object serves
+    every step (a constant of the backward trace, not a saved value)."""
 
-    __slots__ = ("_restore",)
+    __slots__ = ("_restore", "offsets", "nbytes", "_n")
 
-    def __init__(self, restore: _Restore):
-        self._restore = restore
+    def __init__(self, restore: _Restore, offsets: tuple[int, ...], nbytes: int):
+        self._restore, self.offsets, self.nbytes, self._n = restore, offsets, nbytes, len(offsets)
 
     @classmethod
-    def of(cls, member: TensorProxy, k: int) -> SourceRestorer:
-        """The restorer of ``member`` (a plain tensor proxy) all-gathered over ``k`` ranks alone."""
-        like = torch.empty(tuple(member.shape), dtype=dtypes.to_torch_dtype(member.dtype), device="meta")
-        return cls(_bucket_restore(bucket_layout([like.nbytes], k), [_PLAIN], [1], [like]))
+    def of(cls, members, k: int) -> SourceRestorer:
+        """The restorer of ``members`` (plain tensor proxies, each all-gathered over ``k`` ranks from its input)."""
+        likes = [torch.empty(tuple(m.shape), dtype=dtypes.to_torch_dtype(m.dtype), device="meta") for m in members]
+        lay = sources_layout([t.nbytes for t in likes])
+        return cls(_bucket_restore(lay, [_PLAIN] * len(likes), [1] * len(likes), likes), lay.offsets, lay.nbytes)
 
     def restore(self, buf: torch.Tensor) -> tuple:
-        return self._restore(buf, [None])
+        return self._restore(buf, [None] * self._n)
 
     def __repr__(self) -> str:  # printed in the trace
         return "SourceRestorer()"
@@ -376,14 +378,24 @@ def _gather_start_meta(shard, offset: int, nbytes: int, k: int, group):
     return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
 
 
-def _gather_start(shard: torch.Tensor, offset: int, nbytes: int, k: int, group) -> GatherHandle:
-    if shard.dtype is not _UINT8:  # a bucket's source: a forward input (a parameter shard), its bytes as they are
-        shard = shard.detach().reshape(-1).view(_UINT8)
+def _gather_start(shard, offset, nbytes: int, k: int, group) -> GatherHandle:
+    if type(shard) is tuple:  # a bucket's sources: forward inputs (parameter shards), each gathered whole, together
+        return _gather_sources(shard, offset, nbytes, k, group)
     mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
     out = shard.new_empty(nbytes * k)
     # the call dist.all_gather_into_tensor(out, mine, group=group, async_op=True) makes, without its argument checks
     # (4-6 us of Python a call): plain uint8 tensors of ours, a group this rank is in, never in a coalescing manager
     return GatherHandle(group._allgather_base(out, mine, _ASYNC), out)
+
+
+def _gather_sources(sources: tuple, offsets: tuple[int, ...], nbytes: int, k: int, group) -> GatherHandle:
+    """One coalesced all-gather of a bucket's inputs (their bytes as they are), each into its part of one buffer."""
+    ins = [s.detach().reshape(-1).view(_UINT8) for s in sources]
+    out = ins[0].new_empty(nbytes)
+    if len(ins) == 1:
+        return GatherHandle(group._allgather_base(out[: ins[0].numel() * k], ins[0], _ASYNC), out)
+    outs = [out[o : o + x.numel() * k] for o, x in zip(offsets, ins)]
+    return GatherHandle(group.allgather_into_tensor_coalesced(outs, ins, _ASYNC), out)
 
 
 gather_start = _register("fp8shard_gather_start", _gather_start_meta, _gather_start)

@@ -26,6 +26,8 @@ class Integration:
     # the global ranks the replicated values are identical on, in order, where more than ``group``'s (FSDP2 HSDP: the
     # whole mesh); None: ``group``'s
     replica_ranks: tuple[int, ...] | None = None
+    # ZeRO-2: the setup keeps the gathered weights for backward on purpose (candidates="auto" leaves them gathered)
+    keeps_gathered: bool = False
 
     @property
     def ranks(self) -> tuple[int, ...]:

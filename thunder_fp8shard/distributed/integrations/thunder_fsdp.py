@@ -22,5 +22,5 @@ def detect(cd, options):
         note = ("Thunder FSDP ZeRO-2: the sharded FP8 copies are re-gathered in backward; "
                 + ("candidates='all' re-gathers the full-precision gathered weights too, which ZeRO-2 would keep"
                    if options.candidates == "all" else "the full-precision gathered weights stay gathered"))
-        return Integration("Thunder FSDP (ZeRO-2)", group, notes=(note,))
+        return Integration("Thunder FSDP (ZeRO-2)", group, notes=(note,), keeps_gathered=True)
     return Integration("Thunder FSDP (ZeRO-3)", group)
