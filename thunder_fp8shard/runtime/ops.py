@@ -389,13 +389,36 @@ def _gather_start(shard, offset, nbytes: int, k: int, group) -> GatherHandle:
 
 
 def _gather_sources(sources: tuple, offsets: tuple[int, ...], nbytes: int, k: int, group) -> GatherHandle:
-    """One coalesced all-gather of a bucket's inputs (their bytes as they are), each into its part of one buffer."""
+    """One coalesced all-gather of a bucket's inputs (their bytes as they are), each into its part of one buffer.
+    Under gloo, one all-gather an input: its coalesced form gathers into buffers of its own (a larger temporary than
+    the memory model's scratch, measured on the CPU), and speed is NCCL's concern."""
     ins = [s.detach().reshape(-1).view(_UINT8) for s in sources]
     out = ins[0].new_empty(nbytes)
-    if len(ins) == 1:
-        return GatherHandle(group._allgather_base(out[: ins[0].numel() * k], ins[0], _ASYNC), out)
     outs = [out[o : o + x.numel() * k] for o, x in zip(offsets, ins)]
-    return GatherHandle(group.allgather_into_tensor_coalesced(outs, ins, _ASYNC), out)
+    if len(ins) == 1:
+        return GatherHandle(group._allgather_base(outs[0], ins[0], _ASYNC), out)
+    coalesced = _COALESCED.get(group)
+    if coalesced is None:
+        coalesced = _COALESCED[group] = dist.get_backend(group) != "gloo"
+    if coalesced:
+        return GatherHandle(group.allgather_into_tensor_coalesced(outs, ins, _ASYNC), out)
+    return GatherHandle(_Works([group._allgather_base(o, x, _ASYNC) for o, x in zip(outs, ins)]), out)
+
+
+_COALESCED: dict = {}  # group -> whether its inputs' all-gathers are coalesced (not under gloo)
+
+
+class _Works:
+    """Several all-gathers in flight, waited for together."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 gather_start = _register("fp8shard_gather_start", _gather_start_meta, _gather_start)
