@@ -251,7 +251,7 @@ def plot_accuracy(result: dict, path: str | None = None, title: str = ""):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from thunder_fp8shard.reporting.format import byte_unit
+    from thunder_fp8shard.format import byte_unit
 
     t, pred, meas = result["timelines"], result["predicted"], result["measured"]
     top = max([*t["measured"]["bytes"], *t["predicted"]["bytes"], 1])

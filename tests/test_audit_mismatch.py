@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from thunder_fp8shard.analysis.liveness import Step, Timeline
+from thunder_fp8shard.plan import Step, Timeline
 from thunder_fp8shard.plan import MEASURED, ShardPlan
 from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.runtime.audit import SAVED_TERM, TOLERANCE, SavedAudit, SavedStorage

@@ -125,9 +125,21 @@ def _shard_group_size(k: object) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from thunder_fp8shard.distributed.shard_groups import check_size
-
         check_size(k, dist.get_world_size(), "the world")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_size(k: int, n: int, what: str) -> None:
+    """Refuses a subgroup size that does not divide ``n``, the ranks of ``what``."""
+    if n % k:
+        raise ValueError(
+            f"ShardIntermediates: shard_group_size={k} does not divide the {n} ranks of {what}, so they cannot be "
+            f"partitioned into subgroups of {k} consecutive ranks; use one of {divisors(n)} (or leave it out: "
+            "the setup's own group)"
+        )
 
 
 OPTION_NAMES = tuple(f.name for f in fields(ShardOptions))

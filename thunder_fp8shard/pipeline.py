@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.analyze import Analysis, analyze
+from thunder_fp8shard.planning.analyze import Analysis, analyze
 from thunder_fp8shard.analysis.identity import program_key, tensor_keys
 from thunder_fp8shard.analysis.replication import analyze_replication
 from thunder_fp8shard.analysis.program import ProgramFacts, program_facts
@@ -34,10 +34,12 @@ from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planning.planner import LayoutError, choose, choose_layout, make_plan
-from thunder_fp8shard.reporting.format import fmt_bytes
+from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
-from thunder_fp8shard.rewrite.traces import operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks
-from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, StepClock, calibration_term, expected_storages
+from thunder_fp8shard.rewrite.traces import (
+    expected_storages, operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks,
+)
+from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, StepClock, calibration_term
 from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
 
@@ -179,7 +181,7 @@ def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, 
            on_miss: Callable[[int], None], notes: tuple[str, ...] = ()) -> _Built:
     """Rewrites the program of ``chosen`` as its plan says and arms the run-time checks (no collective)."""
     o = options
-    fw, bw = chosen.forward, chosen.backward
+    bw = chosen.backward
     facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
     for warning in chosen.warnings:
         warnings.warn(f"{name}: {warning}", stacklevel=4)

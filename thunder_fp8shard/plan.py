@@ -9,10 +9,33 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from thunder_fp8shard.analysis.liveness import Timeline
+
+@dataclass(frozen=True)
+class Step:
+    """One position on the joint timeline."""
+
+    index: int  # 0..n-1 over forward bound symbols then backward bound symbols
+    phase: str  # "forward" or "backward"
+    label: str  # short text, e.g. "t387 = torch.nn.functional.linear" or "del t12"
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Bytes live at each step: after the step's outputs are allocated, before anything is freed."""
+
+    steps: tuple[Step, ...]
+    live_bytes: tuple[int, ...]
+    backward_start: int  # index of the first backward step (len(steps) when there is no backward)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.live_bytes, default=0)
+
+    @property
+    def peak_step(self) -> Step:
+        """The first step where the peak is reached."""
+        return self.steps[self.live_bytes.index(self.peak_bytes)]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.replication import TE_LINEAR_FWD, TE_SCALE_UPDATE
+from thunder_fp8shard.analysis.names import TE_LINEAR_FWD, TE_SCALE_UPDATE
 from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
 FLOAT8 = "float8"  # a tensor with a torch float8 dtype

@@ -29,12 +29,13 @@ from thunder_fp8shard.analysis.saved import tensor_nbytes
 
 
 def compaction_options(
-    graph: nx.DiGraph, lives: Mapping[str, Life], saved: list[TensorProxy], excluded: set[str]
+    graph: nx.DiGraph, lives: Mapping[str, Life], saved: list[TensorProxy], excluded: set[str],
+    life_of: Mapping[str, Life] | None = None,
 ) -> list[Compaction]:
     """The compaction options of the program whose joint graph and lives are given (``saved``: the forward's saved
-    tensors; ``excluded``: names whose storage is not to be compacted), in order of the storages' allocation, each
-    not yet taken."""
-    life_of = storage_of(lives)
+    tensors; ``excluded``: names whose storage is not to be compacted; ``life_of``: each tensor's storage, where the
+    caller has it), in order of the storages' allocation, each not yet taken."""
+    life_of = storage_of(lives) if life_of is None else life_of
     by_storage: dict[str, dict[str, TensorProxy]] = {}
     for p in saved:
         if p.name in life_of:

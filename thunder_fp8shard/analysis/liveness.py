@@ -35,38 +35,29 @@ import networkx as nx
 import numpy as np
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import FutureTensorProxy, Proxy, TensorProxy
-from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol, default_python_printer
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.aliasing import region_aliasing
-from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, tensor_nbytes
+from thunder_fp8shard.analysis.names import SLICE, TE_SCALE_UPDATE, WAIT
+from thunder_fp8shard.analysis.saved import forward_inputs, forward_outputs, forward_saved, tensor_nbytes
+from thunder_fp8shard.plan import Step, Timeline
 
 # Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
 VIEW_OPS = frozenset(
     {
         "reshape", "view", "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous",
         "transpose", "permute", "movedim", "t", "expand", "expand_as", "broadcast_in_dim",
-        "__getitem__", "getitem", "torch_slice_prim_impl", "narrow", "select", "diagonal",
-        "split", "chunk", "tensor_split", "unbind", "shallow_copy", "bitcast", "torch_prims_reshape_impl",
-        "torch_wait_prim_impl",
+        "__getitem__", "getitem", SLICE, "narrow", "select", "diagonal",
+        "split", "chunk", "tensor_split", "unbind", "shallow_copy", "bitcast", "torch_prims_reshape_impl", WAIT,
     }
 )  # fmt: skip
 # Ops returning their ``tokens=`` arguments unchanged (TransformerEngine's scale update)
-PASS_THROUGH_TOKENS = ("te_fp8_amax_and_scale_update",)
+PASS_THROUGH_TOKENS = (TE_SCALE_UPDATE,)
 # "not a real op", one rule for the pass (liveness, replication, the forward gather's uses): bookkeeping holds no tensor
 # alive and computes nothing; unpacks (and the prologue's checks) name trace inputs, a use but no computation
 _UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith(("UNPACK", "CHECK", "ASSERT")))
 _BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT})
-
-
-@dataclass(frozen=True)
-class Step:
-    """One position on the joint timeline."""
-
-    index: int  # 0..n-1 over forward bound symbols then backward bound symbols
-    phase: str  # "forward" or "backward"
-    label: str  # short text, e.g. "t387 = torch.nn.functional.linear" or "del t12"
 
 
 @dataclass(frozen=True)
@@ -97,24 +88,6 @@ class ShardedStorages:
     # bytes the collective itself holds while the all-gather is in flight, from its issue to its wait (gloo's
     # all_gather_into_tensor on the CPU: a temporary of the whole gathered output); 0: none (NCCL, the fake group)
     scratch_nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Bytes live at each step: after the step's outputs are allocated, before anything is freed."""
-
-    steps: tuple[Step, ...]
-    live_bytes: tuple[int, ...]
-    backward_start: int  # index of the first backward step (len(steps) when there is no backward)
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.live_bytes, default=0)
-
-    @property
-    def peak_step(self) -> Step:
-        """The first step where the peak is reached."""
-        return self.steps[self.live_bytes.index(self.peak_bytes)]
 
 
 def _is_tensor(x) -> bool:
@@ -188,9 +161,8 @@ def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
     if ret.sym.id != PrimIDs.RETURN:
         return [], []
     match ret.args:
-        case (dict() as out, (_, _)):  # the augmented forward of thunder/transforms/autodiff.py
-            outputs = tree_flatten((out.get("output"), out.get("flat_output")))[0]
-            return _tensors(outputs), _tensors(forward_saved(fw_trace)[0])
+        case (dict(), (_, _)):  # the augmented forward of thunder/transforms/autodiff.py
+            return _tensors(forward_outputs(fw_trace)), _tensors(forward_saved(fw_trace)[0])
         case _:
             return _tensors(ret.flat_proxy_args), []
 
@@ -209,7 +181,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
     (:func:`thunder_fp8shard.analysis.aliasing.region_aliasing`).
     """
     joint = _joint(fw_trace, bw_trace)
-    bw_start = len(fw_trace.bound_symbols)
+    bw_start = first_backward(phase for phase, _ in joint)
     # Nodes (in networkx insertion order) and edges are collected first and added in bulk: one add_node/add_edge
     # call per tensor use costs more than the rest of this function.
     nodes: list[tuple[int | str, dict]] = []
@@ -359,9 +331,19 @@ def life_spans(lives: Iterable[Life]) -> Iterable[tuple[int, int, int]]:
     return ((life.start, life.end, life.nbytes) for life in lives)
 
 
+def first_backward(phases: Iterable[str]) -> int:
+    """Index of the first ``"backward"`` among the phases of a program's steps (their number when there is none):
+    the one rule for the backward's start."""
+    n = -1
+    for n, phase in enumerate(phases):
+        if phase == "backward":
+            return n
+    return n + 1
+
+
 def backward_start(steps: Sequence[Step]) -> int:
     """Index of the first backward step of ``steps`` (``len(steps)`` when there is none)."""
-    return next((s.index for s in steps if s.phase == "backward"), len(steps))
+    return first_backward(s.phase for s in steps)
 
 
 def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.replication import ALL_GATHER, WAIT
+from thunder_fp8shard.analysis.names import ALL_GATHER, WAIT
 from thunder_fp8shard.analysis.saved import tensor_nbytes
 
 

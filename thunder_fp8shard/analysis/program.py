@@ -9,6 +9,7 @@ device it runs on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Set
 from dataclasses import dataclass
 
@@ -17,9 +18,10 @@ from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.candidates import payload_nbytes, te_quantized_names
-from thunder_fp8shard.analysis.liveness import Life, Step, forward_return, joint_graph, program_steps, storage_lives
+from thunder_fp8shard.analysis.liveness import (
+    Life, Step, forward_return, joint_graph, program_steps, storage_lives, storage_of,
+)
 from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, model_io_names
-from thunder_fp8shard.memory.device import program_device
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class ProgramFacts:
     steps: tuple[Step, ...]  # one a bound symbol: the forward's, then the backward's
     graph: nx.DiGraph  # liveness.joint_graph of the two traces
     lives: dict[str, Life]  # the program's storages, TE quantized tensors at their payload (1 B an element)
-    device: str | None  # the CUDA device of the forward's inputs (memory.device.program_device); None: the CPU
+    device: str | None  # the CUDA device of the forward's inputs (program_device); None: the CPU
 
     @property
     def last_step(self) -> int:
@@ -50,6 +52,11 @@ class ProgramFacts:
         """The forward's tensor inputs (parameters, the batch), in order."""
         return tuple(p for p in self.args if isinstance(p, TensorProxy))
 
+    @functools.cached_property
+    def life_of(self) -> dict[str, Life]:
+        """Tensor name -> its storage's life (:func:`~thunder_fp8shard.analysis.liveness.storage_of`), made once."""
+        return storage_of(self.lives)
+
     @property
     def saved_names(self) -> frozenset[str]:
         return frozenset(p.name for p in self.saved)
@@ -57,6 +64,14 @@ class ProgramFacts:
     def nbytes(self, p: TensorProxy) -> int:
         """What ``p`` really occupies (:func:`~thunder_fp8shard.analysis.candidates.payload_nbytes`)."""
         return payload_nbytes(p, self.te_names)
+
+
+def program_device(trace: TraceCtx) -> str | None:
+    """The CUDA device of the program's first CUDA tensor input, e.g. ``"cuda:0"``; None if it has none."""
+    for p in forward_inputs(trace):
+        if isinstance(p, TensorProxy) and p.device.type == "cuda":
+            return p.device.device_str()
+    return None
 
 
 def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) -> ProgramFacts:

@@ -21,6 +21,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.liveness import is_compute
+from thunder_fp8shard.analysis.names import ALL_GATHER, SLICE, TE_LINEAR_FWD, TE_SCALE_UPDATE, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
 
 # prims whose result is not a deterministic function of their inputs
@@ -31,12 +32,7 @@ _ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, Prim
 _OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
 
 _EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")  # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
-ALL_GATHER = "torch_all_gather_prim_impl"  # Thunder's torch executor's names (one place)
 _OTHER_COLLECTIVES = ("torch_all_reduce", "torch_reduce_scatter", "torch_broadcast", "torch_pack", "torch_unpack")
-WAIT = "torch_wait_prim_impl"
-TE_LINEAR_FWD = "te_functional_linear_fwd"
-TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
-SLICE = "torch_slice_prim_impl"  # Thunder FSDP's unpad slice of a gathered parameter
 SHAPED = "a shape the program's constants set"
 # operators whose output shape the program's constants can set (not their tensor inputs' shapes alone)
 _SHAPING_PRIMS = {PrimIDs.FULL, PrimIDs.IOTA, PrimIDs.TENSOR_FROM_SEQUENCE, PrimIDs.BROADCAST_IN_DIM, PrimIDs.SLICE,

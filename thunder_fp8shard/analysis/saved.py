@@ -36,11 +36,19 @@ def forward_inputs(fw: TraceCtx) -> list[Proxy]:
     return [p for p in flat if isinstance(p, Proxy)]
 
 
+def forward_outputs(fw: TraceCtx) -> list[Proxy]:
+    """The proxies of the augmented forward's ``output`` and ``flat_output``, in order (its ``flat_args`` are its
+    inputs): the one rule for the forward's outputs."""
+    outputs, _ = fw.bound_symbols[-1].args
+    if isinstance(outputs, dict):
+        outputs = (outputs.get("output"), outputs.get("flat_output"))
+    flat, _ = tree_flatten(outputs)
+    return [p for p in flat if isinstance(p, Proxy)]
+
+
 def model_io_names(fw: TraceCtx) -> set[str]:
     """Names of the forward's inputs and outputs: they are kept alive by the caller, sharding them frees nothing."""
-    outputs, _ = fw.bound_symbols[-1].args
-    flat, _ = tree_flatten(outputs)
-    return {p.name for p in forward_inputs(fw)} | {p.name for p in flat if isinstance(p, Proxy)}
+    return {p.name for p in forward_inputs(fw)} | {p.name for p in forward_outputs(fw)}
 
 
 def numel(p: TensorProxy) -> int:

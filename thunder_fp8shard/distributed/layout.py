@@ -24,11 +24,9 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.identity import _constant
+from thunder_fp8shard.analysis.names import COLLECTIVES, TE_SCALE_UPDATE
 from thunder_fp8shard.plan import ShardPlan
 
-THUNDER_COLLECTIVES = ("torch_all_gather_prim_impl", "torch_reduce_scatter_prim_impl", "torch_all_reduce_prim_impl",
-                       "torch_broadcast_prim_impl")
-TE_AMAX_ALL_REDUCE = "te_fp8_amax_and_scale_update"  # all-reduces each state's amax history (reduce_amax)
 PASS_COLLECTIVES = ("fp8shard_shard", "fp8shard_gather_start", "fp8shard_gather_next", "fp8shard_weight_gather_starts")
 
 
@@ -75,9 +73,9 @@ def _arg(x) -> str:
 def describe(bsym) -> str | None:
     """One collective operator call as the same text on every rank (None: ``bsym`` runs no collective)."""
     name = bsym.sym.name
-    if name.startswith(TE_AMAX_ALL_REDUCE):
-        return f"{TE_AMAX_ALL_REDUCE}({len(bsym.kwargs.get('states', ()))} states)"
-    if name not in THUNDER_COLLECTIVES and name not in PASS_COLLECTIVES:
+    if name.startswith(TE_SCALE_UPDATE):  # all-reduces each state's amax history (reduce_amax)
+        return f"{TE_SCALE_UPDATE}({len(bsym.kwargs.get('states', ()))} states)"
+    if name not in COLLECTIVES and name not in PASS_COLLECTIVES:
         return None
     flat, _ = tree_flatten((bsym.args, bsym.kwargs))
     if name == "fp8shard_shard":  # its spec says whether it runs any (a slice of this rank's copy does not)

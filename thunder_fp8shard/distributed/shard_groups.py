@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from thunder_fp8shard.options import check_size
+
 
 @dataclass(frozen=True)
 class ShardGroup:
@@ -36,20 +38,6 @@ class ShardGroup:
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_size(k: int, n: int, what: str) -> None:
-    """Refuses a subgroup size that does not divide ``n``, the ranks of ``what``."""
-    if n % k:
-        raise ValueError(
-            f"ShardIntermediates: shard_group_size={k} does not divide the {n} ranks of {what}, so they cannot be "
-            f"partitioned into subgroups of {k} consecutive ranks; use one of {divisors(n)} (or leave it out: "
-            "the setup's own group)"
-        )
 
 
 def partition(ranks: tuple[int, ...], k: int, what: str = "the setup's group") -> list[tuple[int, ...]]:

@@ -30,10 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.saved import forward_inputs
+from thunder_fp8shard.analysis.program import program_device
 
 CUBLAS = "cuBLAS"
 TE_GEMM = "TransformerEngine GEMM"
@@ -48,14 +47,6 @@ class DeviceMemory:
     allocated_bytes: int  # torch.cuda.memory_allocated(device) before any workspace was forced
     workspaces: tuple[tuple[str, int], ...]  # (kind, bytes the allocator gained when it was forced into existence)
     not_forced: tuple[tuple[str, str], ...] = ()  # (kind, why it could not be forced): its bytes are unknown
-
-
-def program_device(trace: TraceCtx) -> str | None:
-    """The CUDA device of the program's first CUDA tensor input, e.g. ``"cuda:0"``; None if it has none."""
-    for p in forward_inputs(trace):
-        if isinstance(p, TensorProxy) and p.device.type == "cuda":
-            return p.device.device_str()
-    return None
 
 
 # the GEMMs that run on PyTorch's cuBLAS handles (the names of Thunder's torch-level symbols, at the top level or

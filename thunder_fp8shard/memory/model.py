@@ -63,6 +63,11 @@ class MemoryModel:
         return int(self._compute_before[last] - self._compute_before[first + 1])
 
     @functools.cached_property
+    def life_of(self) -> dict[str, Life]:
+        """Tensor name -> its storage's life, made once a model."""
+        return storage_of(self.lives)
+
+    @functools.cached_property
     def _compute_before(self) -> np.ndarray:
         """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
@@ -136,7 +141,7 @@ def memory_model(
     ``resized``: storages the pass's forward rewrite makes another size, by the name of a proxy of theirs (the
     weights all-gathered in FP8: :meth:`~thunder_fp8shard.rewrite.fp8_gather.ForwardGatherPlan.buffer_nbytes`)."""
     graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
-    life_of = storage_of(lives)
+    life_of = facts.life_of
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
     placements = {}
     for c in candidates:
@@ -148,7 +153,7 @@ def memory_model(
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
     # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
     excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
-    compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded))
+    compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded, life_of))
     rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
 

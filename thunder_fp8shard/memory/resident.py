@@ -47,9 +47,9 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.liveness import Life, storage_of
+from thunder_fp8shard.analysis.liveness import Life
 from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, NOT_COUNTED, UNKNOWN, MemoryTerm
-from thunder_fp8shard.reporting.format import fmt_bytes
+from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,7 +71,7 @@ def step_terms(facts: ProgramFacts, options: ShardOptions, device: DeviceMemory 
     (:func:`~thunder_fp8shard.analysis.program.program_facts`: its storages, steps, inputs and outputs); ``device``
     is what was read from the device while compiling (None on the CPU)."""
     bw_start, last = facts.backward_start, facts.last_step
-    life_of = storage_of(facts.lives)
+    life_of = facts.life_of
     inputs, outputs = list(facts.inputs), list(facts.outputs)
     input_storages = {life_of[p.name].name for p in inputs if p.name in life_of}
     grads = _returned_gradients(facts.backward)

@@ -18,15 +18,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from thunder_fp8shard.planning import grouping
-from thunder_fp8shard.analysis.analyze import Analysis
+from thunder_fp8shard.planning.analyze import Analysis
 from thunder_fp8shard.analysis.candidates import Candidate
-from thunder_fp8shard.analysis.liveness import storage_of
 from thunder_fp8shard.planning.layout import bucket_layout
 from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import UNKNOWN, AgreedValue, BudgetTraffic, Bucket, Compaction, Decision, ShardPlan
 from thunder_fp8shard.analysis.replication import Replication
-from thunder_fp8shard.reporting.format import fmt_bytes
+from thunder_fp8shard.format import fmt_bytes
 
 
 ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
@@ -42,7 +41,7 @@ def soundness(
     the candidates whose shard is a forward input (:mod:`thunder_fp8shard.analysis.own_shards`), with its name."""
     sources = sources or {}
     decisions = []
-    life_of = storage_of(model.lives)
+    life_of = model.life_of
     for c in candidates:
         replicated = replication.is_replicated(c.name)
         life = life_of.get(c.name)
@@ -90,7 +89,7 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
     before, after = model.evaluate(rewritten=False), model.evaluate(buckets, taken)
     program_before = model.evaluate(terms=False, rewritten=False)
     program_after = model.evaluate(buckets, taken, terms=False)
-    life_of = storage_of(model.lives)
+    life_of = model.life_of
     saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in analysis.saved_names}.values())
     saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
                    + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))

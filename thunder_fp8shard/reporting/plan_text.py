@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from thunder_fp8shard.plan import MODELLED, ShardPlan
-from thunder_fp8shard.reporting.format import fmt_bytes, table
+from thunder_fp8shard.format import fmt_bytes, table
 
 if TYPE_CHECKING:  # pragma: no cover
     from thunder_fp8shard.runtime.run_report import RunReport

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from thunder_fp8shard.analysis.liveness import Timeline
-from thunder_fp8shard.reporting.format import byte_unit
+from thunder_fp8shard.plan import Timeline
+from thunder_fp8shard.format import byte_unit
 from thunder_fp8shard.reporting.plan_text import peak_words
 
 if TYPE_CHECKING:  # pragma: no cover

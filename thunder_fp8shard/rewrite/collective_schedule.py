@@ -27,12 +27,9 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
-from thunder_fp8shard.analysis.replication import ALL_GATHER, WAIT
+from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, SLICE, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
-from thunder_fp8shard.rewrite.fp8_gather import SLICE
 
-REDUCE_SCATTER = "torch_reduce_scatter_prim_impl"
-DIVIDE = "true_divide"
 FORWARD_PREFETCH = 8  # all-gathers in flight ahead of a use: about one transformer block's weights
 
 

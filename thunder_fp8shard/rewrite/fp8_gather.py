@@ -37,16 +37,13 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
-from thunder_fp8shard.analysis.replication import ALL_GATHER, WAIT
+from thunder_fp8shard.analysis.names import (
+    ALL_GATHER, SLICE, TE_LINEAR_FWD, TE_QUANTIZERS, TE_RECIPE, TE_SCALE_UPDATE, TE_STATE, WAIT,
+)
 from thunder_fp8shard.analysis.saved import forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather
 
-SLICE = "torch_slice_prim_impl"
-TE_LINEAR_FWD = "te_functional_linear_fwd"
-TE_QUANTIZERS = "get_te_fp8_quantizers"
-TE_STATE = "get_te_fp8_state"
-TE_SCALE_UPDATE = "te_fp8_amax_and_scale_update"
 
 
 @dataclass(frozen=True)
@@ -261,7 +258,7 @@ def _calls_replaced(site: Site) -> int:
     return 3 + (site.slice is not None)
 
 
-HOISTABLE = ("get_te_fp8_recipe", TE_STATE, TE_QUANTIZERS)  # TE's getters: no tensor input, order-independent
+HOISTABLE = (TE_RECIPE, TE_STATE, TE_QUANTIZERS)  # TE's getters: no tensor input, order-independent
 
 
 def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> list[BoundSymbol] | None:

@@ -25,7 +25,9 @@ from thunder.core.transforms import (
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
+from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.planning.grouping import prefetched_by
+from thunder_fp8shard.runtime.audit import SavedStorage
 from thunder_fp8shard.runtime import ops
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.analysis.program import ProgramFacts
@@ -222,6 +224,36 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
     out.set_provenance(TraceProvenance(provenance))
     gathers = [i for i, b in enumerate(out.bound_symbols) if b.sym in (ops.gather_start, ops.gather_next)]
     return out, gathers
+
+
+def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewrite) -> list[SavedStorage]:
+    """The model's storages of the rewritten forward's saved tensors (``rewrite.saved``, tensors first), with the
+    steps it holds each: a tensor left as it was, its storage's life; a compact copy, its own; a shard op's shard,
+    its buckets' shards (packed) from the op to the wait of its last bucket."""
+    life_of = model.life_of
+    copy_of = {view.name: copy for view, copy in rewrite.compacted}
+    copies = {copy_of[m].name: (c, j) for c in plan.compacted for j, m in enumerate(c.members)}
+    made = [s for s in rewrite.sharded if not s.request.sources]  # sources (forward inputs) live as the inputs
+    shard_ops = {s.shard.name: [] for s in made}
+    for s in made:
+        shard_ops[s.shard.name].append(s)
+    buckets = {b.members: b for b in plan.buckets}
+    found: dict[str, SavedStorage] = {}
+    tensors = [p for p in rewrite.saved if isinstance(p, TensorProxy)]
+    for k, p in enumerate(tensors):
+        if p.name in copies:
+            c, j = copies[p.name]
+            e = SavedStorage(f"{c.storage}.compact{j}", (), c.member_nbytes[j], c.compact_at, c.ends[j])
+        elif p.name in shard_ops:
+            mine = [buckets[tuple(m.name for m in s.originals)] for s in shard_ops[p.name]]
+            e = SavedStorage(f"shard op {mine[0].shard_op}", (), sum(b.shard_nbytes for b in mine),
+                             max(b.shard_at for b in mine), max(b.shard_until or b.first_use for b in mine))
+        else:
+            life = life_of[p.name]
+            e = SavedStorage(life.name, (), life.nbytes, life.start, life.end)
+        prior = found.get(e.name, e)
+        found[e.name] = SavedStorage(e.name, (*prior.members, k), e.nbytes, e.start, e.end)
+    return list(found.values())
 
 
 def with_run_checks(handoff: ForwardRewrite, bw: TraceCtx, audit, calibration) -> tuple[TraceCtx, TraceCtx]:

@@ -39,20 +39,14 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from thunder.core.proxies import TensorProxy
-
-from thunder_fp8shard.analysis.liveness import span_bytes, storage_of
+from thunder_fp8shard.analysis.liveness import span_bytes
 from thunder_fp8shard.memory.device import peak_allocated
 from thunder_fp8shard.plan import MEASURED, MemoryTerm, ShardPlan
 from thunder_fp8shard.runtime.run_report import CalibrationReading, Difference, RunReport, SavedCheck
 
-if TYPE_CHECKING:  # pragma: no cover
-    from thunder_fp8shard.memory.model import MemoryModel
-    from thunder_fp8shard.rewrite.traces import ForwardRewrite
 
 log = logging.getLogger(__name__)
 
@@ -85,36 +79,6 @@ class SavedStorage:
     nbytes: int  # predicted bytes
     start: int  # the steps the model holds it (of the unmodified joint program)
     end: int
-
-
-def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewrite) -> list[SavedStorage]:
-    """The model's storages of the rewritten forward's saved tensors (``rewrite.saved``, tensors first), with the
-    steps it holds each: a tensor left as it was, its storage's life; a compact copy, its own; a shard op's shard,
-    its buckets' shards (packed) from the op to the wait of its last bucket."""
-    life_of = storage_of(model.lives)
-    copy_of = {view.name: copy for view, copy in rewrite.compacted}
-    copies = {copy_of[m].name: (c, j) for c in plan.compacted for j, m in enumerate(c.members)}
-    made = [s for s in rewrite.sharded if not s.request.sources]  # sources (forward inputs) live as the inputs
-    shard_ops = {s.shard.name: [] for s in made}
-    for s in made:
-        shard_ops[s.shard.name].append(s)
-    buckets = {b.members: b for b in plan.buckets}
-    found: dict[str, SavedStorage] = {}
-    tensors = [p for p in rewrite.saved if isinstance(p, TensorProxy)]
-    for k, p in enumerate(tensors):
-        if p.name in copies:
-            c, j = copies[p.name]
-            e = SavedStorage(f"{c.storage}.compact{j}", (), c.member_nbytes[j], c.compact_at, c.ends[j])
-        elif p.name in shard_ops:
-            mine = [buckets[tuple(m.name for m in s.originals)] for s in shard_ops[p.name]]
-            e = SavedStorage(f"shard op {mine[0].shard_op}", (), sum(b.shard_nbytes for b in mine),
-                             max(b.shard_at for b in mine), max(b.shard_until or b.first_use for b in mine))
-        else:
-            life = life_of[p.name]
-            e = SavedStorage(life.name, (), life.nbytes, life.start, life.end)
-        prior = found.get(e.name, e)
-        found[e.name] = SavedStorage(e.name, (*prior.members, k), e.nbytes, e.start, e.end)
-    return list(found.values())
 
 
 def calibration_term(nbytes: int, last: int) -> MemoryTerm:

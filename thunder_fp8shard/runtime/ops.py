@@ -48,6 +48,7 @@ from thunder.core.symbol import default_python_printer
 from thunder.extend import OperatorExecutor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES
 from thunder_fp8shard.runtime import payload
 from thunder_fp8shard.planning.layout import BucketLayout, bucket_layout, packed_offsets, sources_layout
 
@@ -347,11 +348,8 @@ def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) ->
     h = hashlib.sha256()
     for flat in flats:
         h.update(flat.detach().cpu().numpy().tobytes())
-    mine = torch.tensor(list(h.digest()), dtype=torch.uint8, device=flats[0].device)
-    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.uint8, device=mine.device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    digests = everyone.view(-1, mine.numel())
-    differing = [r for r in range(digests.shape[0]) if not torch.equal(digests[r], digests[0])]
+    digests = TORCH_COLLECTIVES.all_gather_digests(h.digest(), group)
+    differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise RuntimeError(
             f"ShardIntermediates(verify=True): saved tensor {name!r} is not identical on every rank "

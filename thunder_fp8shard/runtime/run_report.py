@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from thunder_fp8shard.plan import MemoryTerm, ShardPlan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from thunder_fp8shard.analysis.liveness import Timeline
+    from thunder_fp8shard.plan import Timeline
 
 
 @dataclass(frozen=True)

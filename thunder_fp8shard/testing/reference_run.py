@@ -131,8 +131,6 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
     from thunder.dynamo import ThunderCompiler
 
     from thunder_fp8shard import ShardIntermediates
-    from thunder_fp8shard.testing.toy_models import FakeFP8MLP
-
     torch._dynamo.reset()  # the other run of this process compiled the same code objects
     # every layer, grad mode and dynamic shape is its own Dynamo graph of the one FakeFP8Linear.forward (Thunder's
     # benchmark_litgpt raises the limit for FSDP2 too)

@@ -1,4 +1,4 @@
-"""Tables and byte counts, formatted in one place (for the plan's text, :mod:`thunder_fp8shard.reporting.plan_text`)."""
+"""Tables and byte counts, formatted in one place (the plan's text, its notes and warnings)."""
 
 from __future__ import annotations
 
