@@ -236,6 +236,22 @@ te_cost_then_decompose_2() {  # s15: the TE calls' CPU alone, then the default w
   echo "te_cost_then_decompose_2 rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
 }
+# 2026-12-03, fourth session, the last sitting: the final code. Builds in two waves by device memory (FP8 46 GB, bf16
+# 64 GB, checkpointed 21 and 32 GB at their peaks), then every timed run alone
+DEFAULT_ARMS='{"without": null, "null": null, "default": {"optimizer_states": 2}}'
+fp8_a() {  # s16: the FP8 default, 32 layers, first launch; and the FP8 forward gather on (its cost, one kernel)
+  paired final_fp8_l32_n8_a '{"without": null, "null": null, "default": {"optimizer_states": 2},
+    "fwdgather": {"optimizer_states": 2, "fp8_forward_gather": true}}' 40 --one-model -- $FLAGS $FP8 --n_layers=32
+}
+fp8_b() { paired final_fp8_l32_n8_b "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+ckpt_fp8_mem() { memory_arms final_ckpt_fp8_l32_n8 '{"without": null, "default": {"optimizer_states": 2}}' \
+  $FLAGS $FP8 --n_layers=32 --checkpoint_activations=True; }
+wave_one_built() {  # the second wave's builds wait for the first's (their device memory)
+  while [ -e "$R/busy/fp8_a" ] || [ -e "$R/busy/fp8_b" ] || [ -e "$R/busy/ckpt_fp8_mem" ]; do sleep 5; done
+}
+bf16_a() { wave_one_built; paired final_bf16_l32_n8 "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
+ckpt_bf16_mem() { wave_one_built; memory_arms final_ckpt_bf16_l32_n8 '{"without": null,
+  "default": {"optimizer_states": 2}}' $FLAGS --n_layers=32 --checkpoint_activations=True; }
 gpu_tests() {
   mkdir -p "$R/gpu"
   OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
@@ -252,7 +268,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again ckpt_resched "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -286,6 +302,8 @@ case "${1:-}" in
       # 2026-12-03, fourth session: the GPU module on the layouts (issue #44), the TE calls' CPU, the decomposition
       s14) export GPU_TEST_WORKERS=12; launch gpu_tests te_cost decompose_8; echo 3 > "$R/logs/expected" ;;
       s15) launch te_cost_then_decompose_2; echo 1 > "$R/logs/expected" ;;
+      s16) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_a fp8_b ckpt_fp8_mem bf16_a ckpt_bf16_mem
+        echo 6 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s1|...|s15"; exit 2 ;;
     esac
     echo started ;;

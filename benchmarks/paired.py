@@ -511,6 +511,8 @@ def run(args, flags: list[str]) -> list[dict]:
     drawn = build_arms(torch, bl, arms, kwargs, passes, args, rank)
     failed = [a for a in arms if a.failed]
     arms = [a for a in arms if not a.failed]
+    if args.gpu_lock and bl.device.type == "cuda":  # built: give back what the warm-ups reserved while others build
+        torch.cuda.empty_cache()
     with exclusive(args.gpu_lock, args.busy):
         records = alternate(torch, arms, drawn, gc_log, args)
         op_cpu = operator_cpu(arms, drawn, args) if args.decompose_iters > 0 else None
