@@ -1,4 +1,5 @@
-# A fresh machine needs only: `make demo` (set up, run the README's quick start and the demo) and `make test` (set up, run the tests).
+# A fresh machine needs only: `make demo` (set up, run the README's quick start and the demo), `make test` (set up, run
+# the fast tier) and `make test-all` (set up, run every test; CI's). The tiers: docs/testing.md.
 # The interpreter the environment is made with: the system's CPython where there is one (Debian's is built with PGO
 # and LTO; a pyenv build without --enable-optimizations traces Thunder programs 12-20% slower, docs/testing.md),
 # else python3 on the PATH; one that cannot make a venv (no ensurepip) is passed over. `make test PYTHON=...` picks another.
@@ -7,7 +8,7 @@ PYTHON ?= $(shell for p in /usr/bin/python3.12 /usr/bin/python3.11 /usr/bin/pyth
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-all
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,5 +22,12 @@ demo: setup
 	$(PY) examples/quickstart.py
 	$(PY) -m thunder_fp8shard.demo
 
+# the fast tier: the in-process, simulated and notebook tests and one multi-rank exactness test a setup
+FAST := unit or simulated or notebook or setup_exactness
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadscope tests --nbmake notebooks --durations=25
+
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadscope tests --nbmake notebooks --durations=25
+	$(PYTEST) -m "$(FAST)"
+
+test-all: setup
+	$(PYTEST)

@@ -52,7 +52,7 @@ def _check_saved_bytes_drop_as_planned(results):
         assert shard.plans[1].decisions == () and any("forward-only" in n for n in shard.plans[1].notes)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.setup_exactness("zero3")), 3, 4])
 def test_exact_gradients_and_saved_bytes(world_size, on_ranks):
     results = on_ranks(train_with_and_without, world_size, RunConfig(widths=WIDTHS, options={"min_bytes": 0}))
     _check_exact(results)
@@ -148,8 +148,11 @@ def test_peak_policy_is_exact_and_never_raises_the_predicted_peak(on_ranks):
             assert d.sharded or d.reason.startswith(("per-rank", "does not lower the predicted peak", "idle interval"))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("setup", ["zero2", "ddp"])
+@pytest.mark.parametrize("setup, world_size", [
+    pytest.param("zero2", 2, marks=pytest.mark.setup_exactness("zero2")),
+    pytest.param("ddp", 2, marks=pytest.mark.setup_exactness("ddp")),
+    ("zero2", 3), ("ddp", 3),
+])
 def test_zero2_and_ddp_are_exact_and_save_as_planned(setup, world_size, on_ranks):
     """Thunder FSDP ZeRO-2 and Thunder DDP: the weight copies are identical on every rank there too (gathered
     weights; DDP's replicated parameters), so the same three are sharded, exactly."""
@@ -173,7 +176,7 @@ def _kept_outside_the_subgraphs(world_size, batch):
 
 @pytest.mark.parametrize(
     "world_size, scope, strategy, no_grad_call, options",
-    [(2, "model", "ZERO3", True, {}), (3, "layers", "ZERO2", False, {"verify": True, "comm": "dedicated", "prefetch": 0})],
+    [pytest.param(2, "model", "ZERO3", True, {}, marks=pytest.mark.setup_exactness("fsdp2")), (3, "layers", "ZERO2", False, {"verify": True, "comm": "dedicated", "prefetch": 0})],
 )
 def test_fsdp2_under_thunderfx_is_exact_and_saves_as_planned(world_size, scope, strategy, no_grad_call, options,
                                                              on_ranks):
