@@ -1,4 +1,4 @@
-"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP (ZeRO-3, ZeRO-2) or DDP, or PyTorch FSDP2 under
+"""Shard replicated FP8 saved-for-backward tensors under Thunder FSDP or DDP, or PyTorch FSDP2 under
 ThunderFX, and all-gather them in backward."""
 
 from thunder_fp8shard.options import ShardOptions

@@ -8,8 +8,7 @@ UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
-    """Lines of a table: every column but the last padded to its widest cell, two spaces apart; the last (a reason,
-    a rule) as it is."""
+    """Lines of a table: every column but the last padded to its widest cell."""
     cells = [[str(c) for c in r] for r in [header, *rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header) - 1)]
     return [("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]).rstrip() for r in cells]
@@ -21,6 +20,6 @@ def byte_unit(nbytes: int) -> tuple[str, int]:
 
 
 def fmt_bytes(n: int) -> str:
-    """``n`` bytes in words: the largest binary unit it reaches, and the exact count."""
+    """``n`` bytes in the largest binary unit it reaches, and exactly."""
     unit, size = byte_unit(n)
     return f"{n / size:.2f} {unit} ({n:,} B)" if size > 1 else f"{n:,} B"

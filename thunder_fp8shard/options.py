@@ -14,39 +14,33 @@ COMMS = ("shared", "dedicated")
 
 @dataclass(frozen=True)
 class ShardOptions:
-    """What to shard and how. One line an option here; docs/options.md says each in full, with its measurements.
+    """What to shard and how; docs/options.md says each option in full.
 
-    candidates: ``"auto"``: float8 and TransformerEngine's quantized saved tensors, and those whose shard is an input
-        already (an all-gathered parameter of at least 1 MiB, nothing copied); ``"fp8"``: the first alone; ``"all"``:
-        every saved tensor (bf16 bytes copied too).
+    candidates: ``"auto"``: FP8 saved tensors and those whose shard already is an input; ``"fp8"``: FP8 only;
+        ``"all"``: every saved tensor.
     min_bytes: smaller candidates (and compactions freeing less) are left alone.
-    compact: ``"auto"``: a saved view that keeps a larger storage alive is replaced by a compact copy where that
-        frees at least what it copies (:mod:`thunder_fp8shard.analysis.compaction`); ``"off"``: never.
+    compact: ``"auto"``: replace saved views keeping a larger storage alive by compact copies; ``"off"``: never.
     method: ``"slice"``: this rank's slice of its copy; ``"reduce_scatter"``: a MAX reduce-scatter of the replicas.
-    verify: check at shard time that every rank holds identical bytes (an all-gather of digests a tensor).
-    policy: ``"all"``: every sound candidate that does not raise the predicted peak; ``"peak"``: those that lower it;
-        ``"budget"``: the fewest gathered bytes that bring the peak to ``budget_bytes``.
-    budget_bytes: the per-rank device peak ``policy="budget"`` aims at (``torch.cuda.max_memory_allocated``'s bytes).
+    verify: check at shard time that every rank holds identical bytes.
+    policy: ``"all"``: every candidate not raising the predicted peak; ``"peak"``: those lowering it; ``"budget"``:
+        the fewest gathered bytes bringing the peak to ``budget_bytes``.
+    budget_bytes: the per-rank device peak ``policy="budget"`` aims at.
     prefetch: how many buckets ahead of its use a backward all-gather is issued.
-    bucket_bytes: the most payload bytes of one bucket or shard op; groups grow only where the step stays 5% below
-        its predicted peak (:mod:`thunder_fp8shard.planning.grouping`); 0: one tensor each.
+    bucket_bytes: the most payload bytes of one bucket or shard op; 0: one tensor each.
     resident_bytes: device bytes alive outside the program all step; None: measured while compiling.
-    optimizer_states: optimizer state tensors a trained parameter (AdamW: 2), counted on top of the resident bytes
-        (they do not exist yet when the first call compiles); None: left out, and the plan says so.
+    optimizer_states: optimizer state tensors a trained parameter (they do not exist yet at the first compilation);
+        None: left out, and the plan says so.
     loss_bytes: device bytes the loss holds at the backward's start; None: 2 x the forward's floating-point outputs.
-    comm: ``"shared"``: the setup's process group; ``"dedicated"``: a second group with the same ranks.
-    shard_group_size: keep a 1/k shard over runs of k consecutive ranks (:mod:`thunder_fp8shard.distributed.shard_groups`).
+    comm: ``"shared"``: the setup's process group; ``"dedicated"``: a second group over the same ranks.
+    shard_group_size: keep a 1/k shard over runs of k consecutive ranks.
     group: the process group, for a compilation whose setup names none.
-    fp8_forward_gather: under Thunder FSDP with TE's DelayedScaling, all-gather each TE linear weight as this rank's
-        FP8 rows (uint8) instead of bf16, bitwise identical (:mod:`thunder_fp8shard.rewrite.fp8_gather`): half the
-        forward's all-gather bytes for about 27 us of CPU a weight; off by default (a saving of communication only).
-    reschedule: where the memory model predicts a lower peak (activation checkpointing), move Thunder FSDP's
-        forward all-gathers to a few ahead of their use and each gradient's reduce-scatter to right after the
-        gradient (:mod:`thunder_fp8shard.rewrite.collective_schedule`); False: Thunder's order always.
+    fp8_forward_gather: under Thunder FSDP with TE's DelayedScaling, all-gather TE linear weights in FP8, bitwise
+        identical (:mod:`thunder_fp8shard.rewrite.fp8_gather`).
+    reschedule: move Thunder FSDP's collectives where the memory model predicts a lower peak
+        (:mod:`thunder_fp8shard.rewrite.collective_schedule`).
 
-    The memory terms (``resident_bytes``, ``optimizer_states``, ``loss_bytes``, and what each rank measures) may
-    differ between ranks: every rank plans with each one's largest (:mod:`thunder_fp8shard.distributed.agreement`).
-    The other options must be the same on every rank; where they give different collectives, compilation raises.
+    The memory terms may differ between ranks: every rank plans with the largest. The other options must be the same
+    on every rank; where they give different collectives, compilation raises.
     """
 
     candidates: str = "auto"
@@ -146,8 +140,8 @@ OPTION_NAMES = tuple(f.name for f in fields(ShardOptions))
 
 
 def signature(names: tuple[str, ...] = OPTION_NAMES) -> inspect.Signature:
-    """``(self, *, <names>)``: the options as keyword-only parameters with ShardOptions' defaults and types, for a
-    transform's ``__init__(self, **options)`` (``inspect.signature`` and ``help()`` show it)."""
+    """``(self, *, <names>)``: the options as keyword-only parameters with ShardOptions' defaults, for a
+    transform's ``__init__(self, **options)``."""
     by_name = {f.name: f for f in fields(ShardOptions)}
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=by_name[n].default,
@@ -156,8 +150,7 @@ def signature(names: tuple[str, ...] = OPTION_NAMES) -> inspect.Signature:
 
 
 def options_from(owner: str, given: dict, names: tuple[str, ...] = OPTION_NAMES) -> ShardOptions:
-    """The validated options of ``owner`` (a transform's name) from its keyword arguments, every one of which must be
-    among ``names``: a TypeError names every unknown one and lists the options (Python's own names one)."""
+    """The validated options of ``owner`` from its keyword arguments; a TypeError names every unknown one."""
     unknown = sorted(set(given) - set(names))
     if unknown:
         raise TypeError(f"{owner}: unknown option(s) {unknown}; the options are {list(names)}")

@@ -1,11 +1,6 @@
-"""The pass's stages in order, as one function of a compilation's traces: :func:`compile_plan` analyzes the joint
-program (:mod:`thunder_fp8shard.analysis`), agrees the per-rank inputs (:mod:`thunder_fp8shard.distributed`), plans
-(:mod:`thunder_fp8shard.planning`), checks that every rank planned the same collectives, rewrites the traces
-(:mod:`thunder_fp8shard.rewrite`) and arms the run-time checks (:mod:`thunder_fp8shard.runtime`). It reads and
-writes nothing of Thunder's: the transform (:mod:`thunder_fp8shard.transform`) hands it the traces and what it read
-while compiling, and installs what it returns. Its only effects are the collectives of the agreement and the check,
-over the shard group it is given. What it reads of the world (the device, the other ranks) and the two decisions the
-tests plant wrong on purpose come in as :class:`Seams`, never as patched module globals.
+"""The pass's stages in order, as one function of a compilation's traces (:func:`compile_plan`). It
+touches nothing of Thunder's; its only effects are the collectives over the shard group. What it reads of the world,
+and the choices tests plant wrong, come in as :class:`Seams`, never as patched module globals.
 """
 
 from __future__ import annotations
@@ -46,33 +41,30 @@ from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
 
 @dataclass(frozen=True)
 class Seams:
-    """What the pass reads of the world, and the two choices a test plants wrong on purpose; injected into the
-    transform (``ShardIntermediates.inject(...)``), which passes them to :func:`compile_plan`."""
+    """What the pass reads of the world, and the two choices a test plants wrong on purpose
+    (``ShardIntermediates.inject(...)``)."""
 
-    device_probe: DeviceProbe = field(default_factory=DeviceProbe)  # the device's allocator, while compiling and at
-    # the calibration step
-    collectives: Collectives = TORCH_COLLECTIVES  # the agreement's and the check's, over the shard group
-    replication_analysis: Callable = analyze_replication  # which tensors are identical on every rank
+    device_probe: DeviceProbe = field(default_factory=DeviceProbe)
+    collectives: Collectives = TORCH_COLLECTIVES
+    replication_analysis: Callable = analyze_replication
     chooser: Callable = choose  # the planner's choice of shards and compactions
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """What :func:`compile_plan` returns: the plan (final, frozen), the report its run-time checks write, and the
-    traces to run (with the first-call checks)."""
+    """What :func:`compile_plan` returns: the final plan, the report its run-time checks write, and the traces
+    to run."""
 
     plan: ShardPlan
     report: RunReport
     forward: TraceCtx
     backward: TraceCtx
-    calibration: Calibration  # the backward's check; the caller sets ``on_done`` (it drops the checks from Thunder's cache)
+    calibration: Calibration  # the caller sets its ``on_done``
 
 
 @dataclass(frozen=True)
 class _Planned:
-    """One program's plan, before any collective of the plan: the forward and backward, their facts, the FP8
-    forward-gather decisions, the analysis with the agreed terms, the plan, the planner's warnings, the structural
-    keys of its identical tensors, and whether Thunder FSDP's collectives were rescheduled."""
+    """One program's plan and what it was made from, before any collective of the plan."""
 
     forward: TraceCtx
     backward: TraceCtx
@@ -88,17 +80,15 @@ class _Planned:
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,
              calibration_bytes, name: str, seams: Seams, together, forced: Layout | None = None,
              rescheduled: bool = False, forward_gather: bool = True) -> _Planned:
-    """Analyzes the program ``fw`` + ``bw`` and plans it: with the inputs agreed over ``together`` (every rank runs
-    the agreement's collective alike), or, with ``forced``, the model's agreed layout realized with no collective
-    (this rank's own inputs decide only what is rank-local: the compactions)."""
+    """Analyzes and plans ``fw`` + ``bw`` with the inputs agreed over ``together``, or realizes the agreed
+    layout ``forced`` with no collective (this rank's inputs then decide only the rank-local compactions)."""
     o = options
     k = shards.size if shards is not None else 1
-    # which TE weights the forward all-gathers in FP8: decided on the traces alone, before the memory model, which
-    # counts their gathered buffers at the bytes the rewrite makes them
+    # decided before the memory model, which sizes the FP8 gathered buffers
     fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather and forward_gather,
                                  setup_name=setup and setup.name, group=setup and setup.group,
                                  world_size=setup.world_size if setup else 1)
-    facts = program_facts(fw, bw, te_names)  # derived once; every stage reads them
+    facts = program_facts(fw, bw, te_names)
     if len(backward_saved(bw)[0]) != len(facts.saved):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
@@ -106,7 +96,7 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
                        resized=fwd_gather.buffer_nbytes(), shard_ranks=tuple(shards.ranks) if shards else ())
     keys = tensor_keys(fw, analysis.replication.replicated) if analysis.replication is not None else {}
     budget, values, chooser = o.budget_bytes, (), seams.chooser
-    if forced is None:  # the same inputs, hence the same plan, on every rank that compiles with this one
+    if forced is None:  # the same inputs, hence the same plan, on every rank
         agreed = agree(analysis.model.terms, o.budget_bytes, together, seams.collectives)
         analysis, budget, values = analysis.with_terms(agreed.terms), agreed.budget_bytes, agreed.values
     else:
@@ -122,19 +112,15 @@ def _scheduled(fw: TraceCtx, bw: TraceCtx) -> tuple[TraceCtx | None, TraceCtx | 
     return collective_schedule.schedule_forward(fw), collective_schedule.schedule_backward(bw)
 
 
-# the rescheduled program is kept where the memory model predicts a peak lower by more than its accuracy (well within
-# 1% at 32 layers, docs/memory_model.md): a smaller gain may be the model's error, and a collective the model does not
-# size (gloo's reduce-scatter holds a temporary, on the CPU) can make it a loss
+# the least predicted gain that keeps a rescheduled program: a smaller one may be the memory model's error
 RESCHEDULE_MIN_GAIN = 0.01
 
 
 def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned | None:
     """The plan of the program with Thunder FSDP's collectives rescheduled
-    (:mod:`thunder_fp8shard.rewrite.collective_schedule`: the forward's all-gathers issued a few ahead of their use,
-    each gradient's reduce-scatter right after the gradient), if the memory model predicts it a peak lower by at
-    least :data:`RESCHEDULE_MIN_GAIN`; its
-    "before" stays the run without the pass (Thunder's order). None: Thunder's order is kept. The choice depends
-    only on the agreed plans: every rank makes the same."""
+    (:mod:`thunder_fp8shard.rewrite.collective_schedule`), if its predicted peak is lower by at least
+    :data:`RESCHEDULE_MIN_GAIN`; its "before" stays Thunder's order. None: keep Thunder's order. Every rank chooses
+    alike: the choice depends only on the agreed plans."""
     fw, bw = _scheduled(first.forward, first.backward)
     if fw is None and bw is None:
         return None
@@ -150,8 +136,7 @@ def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned 
 
 
 def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
-    """``planned`` (a rescheduled program) with its "before" the run without the pass, Thunder's order (``thunders``,
-    the plan of Thunder's program), and ``note``."""
+    """``planned`` (a rescheduled program) with Thunder's order (``thunders``) as its "before", and ``note``."""
     return dataclasses.replace(planned, plan=dataclasses.replace(
         planned.plan, peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
         program_peak_bytes_before=thunders.program_peak_bytes_before, notes=(*planned.plan.notes, note)))
@@ -170,7 +155,7 @@ def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardG
 
 @dataclass(frozen=True)
 class _Built:
-    """A planned program rewritten: what :func:`compile_plan` returns, the collectives it issues, and its layout."""
+    """A planned program rewritten, the collectives it issues, and its layout."""
 
     compiled: Compiled
     signature: tuple[str, ...]
@@ -179,7 +164,7 @@ class _Built:
 
 def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, group, k: int, clock: StepClock,
            on_miss: Callable[[int], None], notes: tuple[str, ...] = ()) -> _Built:
-    """Rewrites the program of ``chosen`` as its plan says and arms the run-time checks (no collective)."""
+    """Rewrites ``chosen``'s program as its plan says and arms the run-time checks (no collective)."""
     o = options
     bw = chosen.backward
     facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
@@ -197,7 +182,7 @@ def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, 
     new_bw, _ = rewrite_backward(
         bw, new_fw, group=group, provenance=f"{name}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
     )
-    report = RunReport()  # written by the two checks only, at run time; they read the plan's prediction, final here
+    report = RunReport()  # written only by the run-time checks
     audit = SavedAudit(plan, report, expected_storages(analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)], clock)
     calibration = Calibration(plan, report, facts.device, plan.budget_bytes, clock, on_miss, audit,
@@ -207,7 +192,7 @@ def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, 
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)
     gather_calls = fp8_gather.operator_calls(fw_trace) if fwd_gather.sites else {}
-    plan = dataclasses.replace(  # the plan as the traces to run have it: final from here on
+    plan = dataclasses.replace(  # final from here on
         plan, operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
         check_calls={op: calls[op] for op in CHECK_NAMES},
         forward_gather_calls=(fwd_gather.calls_replaced, sum(gather_calls.values())) if fwd_gather.sites else (0, 0))
@@ -219,8 +204,8 @@ NOTHING = Layout()  # nothing sharded, Thunder's order
 
 
 def agreement_group(setup: Integration | None, shards: ShardGroup | None):
-    """Where the ranks agree a layout: the larger of the setup's group (its collectives: Thunder FSDP's order, the FP8
-    forward gathers) and the shard group (the pass's); None with one rank or no setup."""
+    """Where the ranks agree a layout: the larger of the setup's group and the shard group; None with one rank
+    or no setup."""
     if setup is None or shards is None:
         return None
     groups = [(setup.world_size, 0, setup.group), (shards.size, 1, shards.group)]
@@ -232,23 +217,14 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
                  shards: ShardGroup | None, device: DeviceMemory | None, te_names: frozenset[str],
                  calibration_bytes: int | None, on_miss: Callable[[int], None], name: str = "ShardIntermediates",
                  seams: Seams = Seams(), layouts: Layouts | None = None, clock: StepClock | None = None) -> Compiled:
-    """Plans the program ``fw`` + ``bw`` and rewrites it. ``setup``: the distributed setup (None: compaction alone);
-    ``shards``: this rank's shard group (the plan's collectives run on it); ``device``: what the device's allocator
-    said while ``fw`` compiled (None on the CPU); ``te_names``: the forward's TransformerEngine quantized tensors;
-    ``calibration_bytes``: a missed budget's error, planned with as a measured term; ``on_miss(error_bytes)``: what the
-    calibration calls when the device misses the budget; ``name``: the transform's, in the traces' provenance;
-    ``seams``: the device, the collectives and the two plantable choices; ``layouts``: the model's agreed layouts and
-    whether the ranks compile together now (:mod:`thunder_fp8shard.distributed.layout`); ``clock``: the model's steps
-    (:class:`~thunder_fp8shard.runtime.audit.StepClock`).
+    """Plans the program ``fw`` + ``bw`` and rewrites it (``setup`` None: compaction alone).
 
-    While the ranks compile together (``layouts.open``) the program is planned with inputs agreed across the ranks;
-    the program with Thunder FSDP's collectives rescheduled is planned too (kept with ``options.reschedule`` where its
-    predicted peak is lower, else named in a note); the ranks then compare their layouts (one all-gather of digests)
-    and, where their programs differed (each its own shapes), all realize rank 0's. Any later compilation realizes
-    the agreed layout of its program with no collective, and raises where its collectives would differ."""
+    While the ranks compile together the program is planned with agreed inputs and the ranks compare their layouts;
+    where they differ, all realize rank 0's. A later compilation realizes its program's agreed layout with no
+    collective, and raises where its collectives would differ."""
     layouts = layouts if layouts is not None else Layouts()
     clock = clock if clock is not None else StepClock()
-    group = shards.group if shards is not None else None  # the shards' collectives: the shard group's
+    group = shards.group if shards is not None else None
     k = shards.size if shards is not None else 1
     together = agreement_group(setup, shards)
     planned = functools.partial(_planned, options=options, setup=setup, shards=shards, device=device,
@@ -266,7 +242,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         return built.compiled
     agreed = layouts.by_program.get(program)
     if agreed is None:
-        # nothing sharded, Thunder's own collectives: what any rank compiling it alone does too
+        # nothing sharded: what any rank compiling it alone does too
         return build(_forced(fw, bw, functools.partial(planned, forward_gather=False), NOTHING), notes=(
             "a program the ranks did not compile together (none like it at the model's first compilation): left "
             "with Thunder's own collectives (nothing sharded, no forward gather in FP8)",)).compiled
@@ -286,15 +262,15 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
 
 
 def parameters(fw: TraceCtx, setup: Integration) -> frozenset[str]:
-    """The forward's inputs whose shapes are the model's, not the batch's: the setup's replicated inputs (DDP's
-    parameters, FSDP2's unsharded ones) and Thunder FSDP's parameter shards."""
+    """The forward's inputs whose shapes are the model's, not the batch's: replicated inputs and Thunder
+    FSDP's parameter shards."""
     sharded = {p.name for p in forward_inputs(fw)
                if getattr(p, "distparallel_type", None) == DistParallelType.FULLY_SHARDED}
     return frozenset(setup.replicated_inputs(fw)) | sharded
 
 
 def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout: Layout) -> _Planned:
-    """The program planned to ``layout`` (its collectives rescheduled where the layout's are), with no collective."""
+    """The program planned to ``layout``, with no collective."""
     if layout.reschedule:
         sfw, sbw = _scheduled(fw, bw)
         first = planned(fw, bw=bw, forced=layout)
@@ -305,16 +281,15 @@ def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout
 
 def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], build: Callable[..., _Built],
               options: ShardOptions, together, comm: Collectives) -> _Built:
-    """The program planned while every rank compiles (with the inputs agreed), and the layout the ranks then agree:
-    this rank's where every rank's is the same; else rank 0's on every rank (the ranks compiled different programs,
-    each its own shapes), or, where rank 0's would raise a rank's predicted peak or cannot be realized there,
-    nothing sharded; where even that differs, every rank raises the same error."""
+    """The program planned while every rank compiles, and the layout the ranks agree: this rank's where all
+    are the same; else rank 0's everywhere, or nothing sharded where rank 0's would raise a rank's peak or cannot be
+    realized there; where even that differs, every rank raises the same error."""
     chosen = planned(fw, bw=bw)
     scheduled = _rescheduled(chosen, planned)
     notes: tuple[str, ...] = ()
     if scheduled is not None and options.reschedule:
         chosen = scheduled
-    elif scheduled is not None:  # said, not done: the option is off (every rank planned both alike)
+    elif scheduled is not None:  # the option is off: only said
         notes = (f"reschedule=True would lower the predicted peak {fmt_bytes(chosen.plan.peak_bytes_after)} -> "
                  f"{fmt_bytes(scheduled.plan.peak_bytes_after)} (Thunder FSDP's all-gathers issued ahead of their "
                  "use, each gradient's reduce-scatter right after it: docs/options.md)",)

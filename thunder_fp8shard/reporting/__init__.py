@@ -1,2 +1,1 @@
-"""How a plan reads: its text (``plan_text.py``), byte formats and tables (``format.py``), and the predicted memory
-timelines drawn (``plot.py``)."""
+"""How a plan reads: its text (``plan_text.py``) and its predicted memory timelines (``plot.py``)."""

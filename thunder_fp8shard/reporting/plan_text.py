@@ -1,6 +1,4 @@
-"""A plan in words: its verdict, the "why" table of its candidates, the compaction, memory-model and agreement
-tables, and, once the run-time checks ran, what they found (from its
-:class:`~thunder_fp8shard.runtime.run_report.RunReport`). ``ShardIntermediates.describe()`` prints it."""
+"""A plan in words, with what its run-time checks found; ``ShardIntermediates.describe()`` prints it."""
 
 from __future__ import annotations
 
@@ -14,9 +12,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def plan_text(plan: ShardPlan, report: RunReport | None = None) -> str:
-    """``plan`` as a text: the header and verdict, then each candidate and why it was or was not sharded, the
-    compactions, the bytes and calls a step, the memory model and the predicted peak. With ``report``, the
-    prediction as the audit corrected it, and the lines of what the run-time checks found."""
+    """``plan`` as text: the verdict, each candidate and why it was or was not sharded, the compactions,
+    the bytes and calls a step, and the memory model. With ``report``, the prediction as the audit corrected it and
+    what the run-time checks found."""
     if report is not None:
         plan = report.corrected(plan)
     header = ("tensor", "shape", "dtype", "kind", "bytes", "replicated", "sharded", "reason")
@@ -188,7 +186,6 @@ def _agreed_table(plan: ShardPlan) -> list[str]:
         return []
     rows = [(a.name, a.rule, f"{a.value:,}", f"{a.own:,}", "" if a.value == a.own else "another rank's")
             for a in plan.agreed]
-    # over the shard group: the ranks the plan's collectives span
     header = (f"agreed over {plan.k} ranks before planning", "rule", "planned with", "this rank's own", "")
     return table(header, rows)
 

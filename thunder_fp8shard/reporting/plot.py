@@ -1,5 +1,4 @@
-"""Plot of live memory over the joint forward+backward program, before and after sharding: a plan's predicted
-timelines (:func:`plot_plan`), or any two timelines (:func:`plot_timelines`)."""
+"""Plots of live memory over the joint forward+backward program, before and after sharding."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def plot_plan(plan: ShardPlan, path: str | PathLike | None = None, report: RunReport | None = None) -> Figure:
-    """``plan``'s predicted memory timeline before and after, with peaks and gathers marked (a matplotlib Figure;
-    ``path`` saves a PNG). With ``report``, the timeline after as the run-time audit corrected it."""
+    """``plan``'s predicted memory timeline before and after (a matplotlib Figure; ``path`` saves a PNG).
+    With ``report``, as the audit corrected it."""
     if report is not None:
         plan = report.corrected(plan)
     if plan.timeline_before is None:
@@ -41,11 +40,8 @@ def plot_timelines(
     title: str | None = None,
     path: str | PathLike | None = None,
 ) -> Figure:
-    """Live bytes per step of ``before`` (and ``after``), with the backward start, the peaks and the gathers.
-
-    Lines are labelled ``before``/``after``; peak markers ``peak before``/``peak after``, annotated with the
-    peak's size and step; the vertical line ``backward`` (and ``backward (after)`` where it differs); the markers ``all-gather`` sit on the ``after`` curve
-    (on ``before`` if there is no ``after``) at the steps in ``gathers``. ``path`` saves a PNG (Agg, no window).
+    """Live bytes per step of ``before`` (and ``after``), marking the backward start, the peaks and the
+    all-gathers at ``gathers``. ``path`` saves a PNG (Agg, no window).
     """
     timelines = {"before": before} | ({"after": after} if after is not None else {})
     unit, scale = byte_unit(max(t.peak_bytes for t in timelines.values()))

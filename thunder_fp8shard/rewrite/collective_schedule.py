@@ -1,21 +1,11 @@
-"""``reschedule``: Thunder FSDP's collectives moved where they hold less memory, the same collectives in the same
-order on every rank, the same values.
+"""``reschedule``: Thunder FSDP's collectives moved where they hold less memory; the same collectives in
+the same order on every rank, the same values.
 
-Thunder 0.2.6's FSDP puts every parameter's all-gather at the top of the forward (``sort_waits``), so every layer's
-gathered weights are allocated together before the first layer runs, and every weight gradient's division by the
-world size and reduce-scatter at the end of the backward, so every layer's unsharded gradient is alive from its
-matmul to the end. Without activation checkpointing neither plateau is the step's peak (the saved activations at the
-backward's start are). Under checkpointing both are, one after the other, and the gathered weights the forward saves
-for the recompute can only be sharded after their last forward use, once all of them are alive. So:
-
-* :func:`schedule_forward` issues each parameter's all-gather :data:`FORWARD_PREFETCH` all-gathers ahead of its
-  first use, its wait (and unpad slice) right before that use;
-* :func:`schedule_backward` divides and reduce-scatters each gradient, and waits for it, right after the gradient is
-  made (the wait right after the issue: the reduce-scatter's input is then held no longer than the memory model
-  counts it).
-
-Only the order of bound symbols changes. The pipeline plans the rescheduled program too and keeps it where the
-memory model predicts a lower peak (:func:`thunder_fp8shard.pipeline.compile_plan`).
+Thunder's FSDP issues every parameter's all-gather at the top of the forward and every gradient's reduce-scatter at
+the end of the backward, so all gathered weights, and then all unsharded gradients, are alive at once. Under
+activation checkpointing these plateaus are the peak. :func:`schedule_forward` issues each all-gather a few ahead of
+its first use; :func:`schedule_backward` reduce-scatters each gradient right after it is made. Only the order of
+bound symbols changes; the pipeline keeps the result where the predicted peak is lower.
 """
 
 from __future__ import annotations
@@ -30,14 +20,13 @@ from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, SLICE, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
 
-FORWARD_PREFETCH = 8  # all-gathers in flight ahead of a use: about one transformer block's weights
+FORWARD_PREFETCH = 8  # about one transformer block's weights
 
 
 @dataclass(frozen=True)
 class Gathered:
-    """One parameter all-gathered in the forward: its all-gather, the bound symbols that make the weight from it
-    (the wait, and the unpad slice where that is the wait's only use), and its first use (an index into the
-    forward's bound symbols without dels)."""
+    """One parameter all-gathered in the forward: its all-gather, the wait (and unpad slice) making the
+    weight, and the weight's first use."""
 
     gather: BoundSymbol
     chain: tuple[BoundSymbol, ...]
@@ -58,8 +47,8 @@ def _uses(body: list[BoundSymbol]) -> dict[str, list[int]]:
 
 
 def gathered(body: list[BoundSymbol], inputs: frozenset[str]) -> list[Gathered]:
-    """The forward's all-gathers of trace inputs (parameter shards) whose handle's only use is its wait, in order of
-    their first use."""
+    """The forward's all-gathers of parameter shards whose handle's only use is its wait, in order of first
+    use."""
     uses = _uses(body)
     out = []
     for g in body:
@@ -72,7 +61,7 @@ def gathered(body: list[BoundSymbol], inputs: frozenset[str]) -> list[Gathered]:
         chain = [body[users[0]]]
         (weight,) = _outs(chain[0])
         after = uses.get(weight, [])
-        if len(after) == 1 and body[after[0]].sym.name == SLICE:  # the unpad slice: moved with the wait
+        if len(after) == 1 and body[after[0]].sym.name == SLICE:  # the unpad slice moves with the wait
             chain.append(body[after[0]])
             (weight,) = _outs(chain[-1])
             after = uses.get(weight, [])
@@ -82,8 +71,8 @@ def gathered(body: list[BoundSymbol], inputs: frozenset[str]) -> list[Gathered]:
 
 
 def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], provenance: str) -> TraceCtx | None:
-    """``trace`` with ``body`` sorted by ``key`` and its dels made again; None where the order is the same or a value
-    would be used before it is made."""
+    """``trace`` with ``body`` sorted by ``key``; None where the order is the same or a value would be used
+    before it is made."""
     from thunder.executors.passes import del_last_used
 
     order = sorted(body, key=lambda b: key[id(b)])
@@ -103,15 +92,14 @@ def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], 
 
 
 def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx | None:
-    """``fw`` with each parameter's all-gather issued ``prefetch`` all-gathers ahead of its first use (the first
-    ``prefetch`` where they were), its wait (and unpad slice) right before that use; None where nothing moves.
-    ``fw`` is not modified."""
+    """``fw`` with each all-gather issued ``prefetch`` all-gathers ahead of its first use and its wait right
+    before that use; None where nothing moves."""
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     found = gathered(body, frozenset(p.name for p in forward_inputs(fw)))
     key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}  # (position, rank, tie)
     for x in found:
         for k, b in enumerate(x.chain):
-            key[id(b)] = (x.first_use, -1, k)  # right before the first use, in the chain's order
+            key[id(b)] = (x.first_use, -1, k)  # right before the first use
     for j, x in enumerate(found):
         if j >= prefetch:  # right before the chain of the one `prefetch` earlier
             key[id(x.gather)] = (found[j - prefetch].first_use, -2, j)
@@ -120,8 +108,8 @@ def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx
 
 
 def schedule_backward(bw: TraceCtx) -> TraceCtx | None:
-    """``bw`` with each gradient's ``true_divide`` by the world size, its reduce-scatter and its wait right after the
-    gradient is made; None where nothing moves. ``bw`` is not modified."""
+    """``bw`` with each gradient's division, reduce-scatter and wait right after the gradient is made; None
+    where nothing moves."""
     body = [b for b in bw.bound_symbols if b.sym.id != PrimIDs.DEL]
     producer: dict[str, int] = {}
     for i, b in enumerate(body):

@@ -1,28 +1,10 @@
-"""``fp8_forward_gather`` (on by default): all-gather TE linear weights in FP8 in the forward (stage A
-of ``docs/fp8_forward_gather.md``).
+"""``fp8_forward_gather``: all-gather TE linear weights in FP8 in the forward (``docs/fp8_forward_gather.md``).
 
-Under Thunder FSDP the forward all-gathers each bf16 parameter shard and TE's linear then casts the full weight to
-FP8 on every rank. Where the gathered weight's only use is one ``te_functional_linear_fwd``, this rewrite has each
-rank cast only its own rows and all-gather the FP8 bytes instead (run-time operators in
-:mod:`thunder_fp8shard.runtime.fp8_gather_ops`). It is exact (bitwise today's FP8 bytes, scale-inverse, amax history and
-scales) under the conditions :func:`find_sites` checks; a weight failing one keeps its bf16 gather and the plan says
-why:
-
-* the recipe is DelayedScaling with ``reduce_amax=True`` (the cast is elementwise with a per-tensor scale fixed
-  before it, and the weight's amax, now each rank's rows', is all-reduced with MAX over the default group before the
-  scale update), and FSDP's group spans the default group;
-* the pattern is exactly ``all_gather(trace input, FSDP's group) -> wait [-> slice of dim-0 rows] -> TE linear's
-  weight``, with no other use of the gathered weight (nor saved, nor returned), and the weight quantizer comes
-  from the linear's own forward state, whose scale update follows the linear and none precedes it;
-* no TE forward is recomputed in the backward (activation checkpointing);
-* every rank holds at least one valid row (padding rows, uninitialized memory, are left out of the cast).
-
-:func:`find_sites`/:func:`decisions` are pure over the traces (the plan's rows); :func:`rewrite` applies the decisions
-mechanically: per run of adjacent all-gathers one batched start, per weight one fused wait + TE linear forward, so
-the forward makes about one run-time call a weight where Thunder made three (the forward is bound by its host issue
-time). Casting where the all-gathers start (the top of the forward) instead of inside the linear is exact because
-the weight's scale only changes in its own state's ``te_fp8_amax_and_scale_update``, which the eligibility requires
-to come after the linear and nowhere before it in the forward (the previous change was in the previous step).
+Under Thunder FSDP each rank all-gathers bf16 weights and TE casts every full weight to FP8. Where the gathered
+weight's only use is one TE linear, each rank instead casts its own rows and all-gathers the FP8 bytes
+(:mod:`thunder_fp8shard.runtime.fp8_gather_ops`), bitwise exact under the conditions :func:`find_sites` checks; a
+weight failing one keeps its bf16 gather and the plan says why. Casting early is exact because the weight's scale
+changes only in its state's scale update, which eligibility requires after the linear and not before it.
 """
 
 from __future__ import annotations
@@ -48,8 +30,8 @@ from thunder_fp8shard.plan import ForwardGather
 
 @dataclass(frozen=True)
 class Site:
-    """One TE linear forward whose weight comes from a forward all-gather, as found in the trace; ``why`` is None
-    where it is eligible, else the first reason it is not."""
+    """One TE linear forward whose weight comes from a forward all-gather; ``why``: None where eligible, else
+    the first reason it is not."""
 
     linear: BoundSymbol
     gather: BoundSymbol | None
@@ -57,7 +39,7 @@ class Site:
     slice: BoundSymbol | None
     quantizers: BoundSymbol | None
     shard: TensorProxy | None  # the trace input all-gathered
-    weight: TensorProxy  # the linear's weight argument (the unpadded gathered weight)
+    weight: TensorProxy  # the unpadded gathered weight
     why: str | None
 
 
@@ -72,7 +54,7 @@ def _outs(b: BoundSymbol) -> list:
 def _consumers(body: Sequence[BoundSymbol]) -> dict[str, list[BoundSymbol]]:
     out: dict[str, list[BoundSymbol]] = {}
     for b in body:
-        if is_bookkeeping(b):  # not a use
+        if is_bookkeeping(b):
             continue
         for p in {p.name: p for p in b.flat_proxy_args}.values():
             out.setdefault(p.name, []).append(b)
@@ -81,11 +63,11 @@ def _consumers(body: Sequence[BoundSymbol]) -> dict[str, list[BoundSymbol]]:
 
 @dataclass(frozen=True)
 class _Forward:
-    """A forward trace read once: its bound symbols without dels (which the rewrite regenerates), each one's
-    position among them, each proxy's producer, and the names of the trace's inputs."""
+    """A forward trace read once: its bound symbols without dels, their positions, each proxy's producer,
+    and the trace's input names."""
 
     body: list[BoundSymbol]
-    index: dict[int, int]  # id(bound symbol) -> its position in ``body``
+    index: dict[int, int]  # id(bound symbol) -> position in ``body``
     producer: dict[str, BoundSymbol]
     inputs: frozenset[str]
 
@@ -115,14 +97,14 @@ def _is_row_slice(b: BoundSymbol, src: TensorProxy, dst: TensorProxy) -> bool:
 
 def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, default_world_size: int,
                recipe_problem: str | None) -> list[Site]:
-    """Every TE linear forward of ``fw`` whose weight is (through a wait, maybe a slice) a forward all-gather, with
-    the first reason it cannot be gathered in FP8 (None: it can)."""
+    """Every TE linear forward of ``fw`` whose weight is a forward all-gather's, with the first reason it
+    cannot be gathered in FP8 (None: it can)."""
     f = _forward(fw)
     body, producer, inputs, position = f.body, f.producer, f.inputs, f.index
     uses = _consumers(body)
     returned = _returned(fw)
     recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
-    first_update, last_update = {}, {}  # each proxy (a TE state among them): its first and last scale update
+    first_update, last_update = {}, {}  # proxy -> its first and last scale update
     for i, b in enumerate(body):
         if _name(b).startswith(TE_SCALE_UPDATE):
             for p in b.flat_proxy_args:
@@ -144,7 +126,7 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
         else:
             sl = None
         if wait is None or _name(wait) != WAIT:
-            continue  # not a forward-gathered weight (DDP, a plain parameter): nothing to say
+            continue  # not a forward-gathered weight: nothing to say
         fut = wait.args[0]
         gather = producer.get(getattr(fut, "name", None))
         if gather is None or _name(gather) != ALL_GATHER:
@@ -231,13 +213,13 @@ def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, qua
 
 
 def decisions(sites: Sequence[Site], world_size: int) -> list[ForwardGather]:
-    """The plan's rows: per site, the bytes received per rank and the elements cast per rank, without and with."""
+    """The plan's rows: per site, bytes received and elements cast per rank, without and with."""
     out = []
     for s in sites:
         shape = tuple(int(d) for d in s.weight.shape)
         numel = math.prod(shape)
         rows = int(s.shard.shape[0]) if s.shard is not None else shape[0]
-        gathered = rows * world_size * math.prod(shape[1:])  # elements of the gathered buffer, padding included
+        gathered = rows * world_size * math.prod(shape[1:])  # padding included
         before = gathered * s.weight.dtype.bytes * (world_size - 1) // world_size
         fp8 = s.why is None
         after = gathered * (world_size - 1) // world_size if fp8 else before
@@ -253,8 +235,7 @@ def _valid_rows(out: int, rows: int, rank: int) -> int:
 
 
 def _calls_replaced(site: Site) -> int:
-    """Thunder's run-time calls for one eligible weight that the rewrite removes: all-gather, wait, the unpad slice
-    where padded, the TE linear forward."""
+    """Thunder's run-time calls the rewrite removes for one eligible weight."""
     return 3 + (site.slice is not None)
 
 
@@ -262,8 +243,8 @@ HOISTABLE = (TE_RECIPE, TE_STATE, TE_QUANTIZERS)  # TE's getters: no tensor inpu
 
 
 def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> list[BoundSymbol] | None:
-    """The bound symbols the weight quantizer comes from (its quantizers, state and recipe getters, and theirs), or
-    None where one of them is not a TE getter (then they cannot be moved up)."""
+    """The TE getters the weight quantizer comes from, or None where one is not a TE getter (then they
+    cannot be moved up)."""
     out, todo, seen = [], [site.quantizers], set()
     while todo:
         b = todo.pop()
@@ -284,14 +265,9 @@ def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> 
 
 def batches(fw: TraceCtx, sites: Sequence[Site], forward: _Forward | None = None
             ) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
-    """Where the eligible sites' starts go, as ``(index, sites, getters)``: one ``fp8shard_weight_gather_starts``
-    call per run of adjacent forward all-gathers (only other all-gathers, argument unpacks, comments and dels
-    between them; Thunder's ``sort_waits`` makes one run of all the forward's), placed right after the run's last
-    eligible all-gather (an index into ``fw``'s bound symbols without dels), preceded by the getters of the run's
-    weight quantizers that stood later in the trace (``getters``, moved up in their order: TE's recipe, state and
-    quantizer getters take no tensor and their only side effect, creating a state, does not depend on when). A site
-    whose quantizer comes from anything else starts alone right after the later of its all-gather and its
-    quantizer getter. ``forward``: ``fw`` read once (:func:`_forward`), where the caller has it."""
+    """Where the eligible sites' starts go, as ``(index, sites, getters)``: one call per run of adjacent
+    forward all-gathers, after its last one, preceded by the quantizer getters it needs, moved up (TE's getters take
+    no tensor, and creating a state does not depend on when). Other sites start alone."""
     f = forward or _forward(fw)
     body, index, producer, inputs = f.body, f.index, f.producer, f.inputs
     chosen = sorted((s for s in sites if s.why is None), key=lambda s: index[id(s.gather)])
@@ -328,10 +304,9 @@ def batches(fw: TraceCtx, sites: Sequence[Site], forward: _Forward | None = None
 
 
 def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank: int, provenance: str) -> TraceCtx:
-    """``fw`` with each eligible site's all-gather, wait, slice and TE linear forward replaced by two operators:
-    ``fp8shard_weight_gather_starts``, one call per run of adjacent all-gathers (:func:`batches`, which also moves
-    the quantizer getters it needs up before it), and ``fp8shard_te_linear_fwd`` where the linear was, bound to the
-    linear's outputs (the rest of the trace is unchanged). Dels are regenerated; ``fw`` is not modified."""
+    """``fw`` with each eligible site's all-gather, wait, slice and TE linear replaced by a batched
+    ``fp8shard_weight_gather_starts`` (:func:`batches`) and an ``fp8shard_te_linear_fwd`` where the linear was.
+    ``fw`` is not modified."""
     from thunder.executors.passes import del_last_used
 
     f = _forward(fw)
@@ -373,8 +348,7 @@ def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank
 
 
 def _implementation(linear: BoundSymbol):
-    """The Python function a TE linear forward bound symbol runs (Thunder's ``_linear_fwd_impl``, which looks TE's
-    ``BasicLinear._functional_forward`` up at each call)."""
+    """The Python function a TE linear forward bound symbol runs."""
     ctx = getattr(linear, "_call_ctx", None) or {}
     fn = ctx.get(linear.sym.name) or (next(iter(ctx.values())) if len(ctx) == 1 else None)
     if fn is None:
@@ -401,18 +375,17 @@ def operator_calls(fw: TraceCtx) -> dict[str, int]:
 
 
 def compile_time_recipe():
-    """The FP8 recipe TE's executor will use (``FP8GlobalStateManager.get_fp8_recipe()``, the call Thunder's checker
-    makes), or None without TransformerEngine."""
+    """The FP8 recipe TE's executor will use, or None without TransformerEngine."""
     try:
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-    except Exception:  # no TransformerEngine: no TE linear in the trace either
+    except Exception:  # no TE: no TE linear in the trace either
         return None
     return FP8GlobalStateManager.get_fp8_recipe()
 
 
 @dataclass(frozen=True)
 class ForwardGatherPlan:
-    """What :func:`plan` decided for one compilation: the sites (for :func:`rewrite`), the plan's rows and notes."""
+    """What :func:`plan` decided for one compilation."""
 
     sites: tuple[Site, ...]
     rows: tuple[ForwardGather, ...]
@@ -423,16 +396,13 @@ class ForwardGatherPlan:
 
     @property
     def calls_replaced(self) -> int:
-        """Thunder's run-time calls the rewrite removes a forward (all-gather, wait, unpad slice, TE linear of each
-        weight gathered in FP8)."""
+        """Thunder's run-time calls the rewrite removes from a forward."""
         return sum(_calls_replaced(s) for s in self.sites if s.why is None)
 
     def buffer_nbytes(self) -> dict[str, int]:
-        """What each weight gathered in FP8 holds from its all-gather to its linear, by the names of its gathered
-        buffer's proxies (the all-gather's output and the wait's, one storage): the uint8 gathered rows and this
-        rank's cast rows that the handle keeps until the wait, 1 B an element, where the trace's proxies print the
-        bf16 buffer. The memory model counts these storages at these sizes (``resized`` of
-        :func:`~thunder_fp8shard.memory.model.memory_model`)."""
+        """Bytes each FP8-gathered weight's buffer holds from its all-gather to its linear (gathered uint8 rows
+    plus this rank's cast rows), by its proxies' names, where the trace prints a bf16 buffer; for the memory
+    model."""
         sizes = {}
         for s in self.sites:
             if s.why is None:
@@ -450,13 +420,12 @@ class ForwardGatherPlan:
 
 def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, group, world_size: int,
          recipe=None, default_world_size: int | None = None, rank: int | None = None) -> ForwardGatherPlan:
-    """The forward-gather decisions of one compilation (nothing where ``enabled`` is False). ``recipe``: the FP8
-    recipe TE's executor uses (default: :func:`compile_time_recipe`); ``default_world_size``/``rank``: the default
-    group's size and this rank's rank in FSDP's group (default: asked of ``torch.distributed``)."""
+    """The forward-gather decisions of one compilation (none where ``enabled`` is False). Arguments left
+    None are taken from TE and ``torch.distributed``."""
     if not enabled:
         return ForwardGatherPlan((), (), ())
     if not (setup_name or "").startswith("Thunder FSDP"):
-        return ForwardGatherPlan((), (), ())  # only Thunder FSDP all-gathers weights in the traced forward
+        return ForwardGatherPlan((), (), ())  # only Thunder FSDP all-gathers weights in the forward
     if default_world_size is None or rank is None:
         import torch.distributed as dist
 

@@ -1,13 +1,7 @@
-"""The mechanical rewrite: forward keeps one 1/N shard per shard op (one or more buckets) in the saved list and
-compact copies of compacted views, backward all-gathers each bucket back; each operator goes where the plan says.
-
-:func:`requests` turns a plan (:class:`~thunder_fp8shard.plan.ShardPlan`: its buckets, shard ops and compactions,
-placed on the steps of the unmodified joint program) into requests anchored on the traces' bound symbols: a shard op
-right after its step (the last forward use of its members' storages), with the views of the compactions the plan
-gives it (``Compaction.shard_op``: one call makes both), the other compactions one call a step right after it, a bucket's
-wait right before its first backward consumer, its all-gather right before the consumer of the bucket ``prefetch``
-places earlier (or at the start of the backward body). :func:`rewrite_forward` and :func:`rewrite_backward` insert
-them and return new traces (the inputs are not modified) with dels regenerated and a provenance line.
+"""The mechanical rewrite: the forward saves one 1/k shard per shard op and compact copies of compacted
+views, the backward all-gathers each bucket back, each operator where the plan says. :func:`requests` anchors the
+plan's steps on the traces' bound symbols; :func:`rewrite_forward` and :func:`rewrite_backward` return new traces
+(the inputs are not modified).
 """
 
 from __future__ import annotations
@@ -36,23 +30,21 @@ from thunder_fp8shard.analysis.saved import backward_saved
 
 @dataclass(frozen=True)
 class BucketRequest:
-    """Saved tensors all-gathered together (one all-gather), where this rank's shard of them lies in its shard op's
-    output, and where the backward waits for them (right before ``wait_before``) and issues their all-gather (right
-    before ``start_before``; None: at the start of the backward body)."""
+    """Saved tensors all-gathered together: where this rank's shard lies in its shard op's output, and the
+    bound symbols the backward waits before and starts the all-gather before (None: at the top)."""
 
     members: tuple[TensorProxy, ...]
     shard_offset: int
     shard_nbytes: int
     wait_before: BoundSymbol
     start_before: BoundSymbol | None
-    sources: tuple[TensorProxy, ...] = ()  # the forward inputs that are this rank's shards (Bucket.sources): no shard op
+    sources: tuple[TensorProxy, ...] = ()  # Bucket.sources: no shard op
 
 
 @dataclass(frozen=True)
 class ShardOpRequest:
-    """One forward shard op, right after ``after``: the buckets whose shards it keeps in one tensor of
-    ``shard_nbytes`` bytes a rank, and the saved views it replaces by compact copies (``compact``: the compactions
-    the plan has it make)."""
+    """One forward shard op, right after ``after``: the buckets whose shards it keeps in one tensor, and the
+    saved views it replaces by compact copies."""
 
     buckets: tuple[BucketRequest, ...]
     shard_nbytes: int
@@ -62,17 +54,15 @@ class ShardOpRequest:
 
 @dataclass(frozen=True)
 class CompactionRequest:
-    """Saved views replaced by compact copies of themselves, made right after ``after`` (a bound symbol of the
-    forward: the last forward use of their storage)."""
+    """Saved views replaced by compact copies of themselves, made right after ``after``."""
 
     members: tuple[TensorProxy, ...]
     after: BoundSymbol
 
 
 def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest], list[CompactionRequest]]:
-    """The plan's shard ops (their buckets, in order of first backward use) and compactions as requests anchored on
-    the bound symbols of the program ``facts`` describes (the one the plan was made on: its steps are the bound
-    symbols of the forward, then of the backward)."""
+    """The plan's shard ops and compactions as requests anchored on the bound symbols of the program the
+    plan was made on."""
     fw, bw, n_fw = facts.forward, facts.backward, facts.backward_start
     proxy_of = {p.name: p for p in facts.saved}
     input_of = {p.name: p for p in facts.inputs} if any(b.sources for b in plan.buckets) else {}
@@ -84,8 +74,8 @@ def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest]
             tuple(proxy_of[n] for n in b.members), b.shard_offset, b.shard_nbytes, bw.bound_symbols[b.first_use - n_fw],
             start, tuple(input_of[n] for n in b.sources)))
         after[b.shard_op] = fw.bound_symbols[b.shard_at]
-    by_op: dict[int, list[TensorProxy]] = {}  # compactions a shard op makes
-    by_step: dict[int, list[TensorProxy]] = {}  # the others: one call a step
+    by_op: dict[int, list[TensorProxy]] = {}
+    by_step: dict[int, list[TensorProxy]] = {}  # one fp8shard_compact call a step
     for c in plan.compacted:
         members = [proxy_of[m] for m in c.members]
         (by_op.setdefault(c.shard_op, []) if c.shard_op is not None else by_step.setdefault(c.compact_at, [])).extend(
@@ -100,35 +90,31 @@ def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest]
 class ShardedBucket:
     """What the forward hands to the backward for one bucket."""
 
-    originals: tuple[TensorProxy, ...]  # the proxies the backward consumes; the wait re-creates them
-    shard: TensorProxy | tuple  # what is saved instead (flat uint8; shared by the buckets of one shard op), or the
-    # forward inputs that are the members' shards (all-gathered together)
-    shard_offset: int | tuple  # this bucket's bytes in ``shard``; for inputs, where each member's lie when gathered
-    shard_nbytes: int  # ``shard``'s bytes a rank; for inputs, the gathered buffer's
-    restorer: AnyProxy  # saved alongside, in the non-tensor list
-    request: BucketRequest  # where the backward waits for it and issues its all-gather
+    originals: tuple[TensorProxy, ...]  # the wait re-creates them
+    shard: TensorProxy | tuple  # the op's flat uint8 shard, or the bucket's sources
+    shard_offset: int | tuple  # for sources, each member's offset in the gathered buffer
+    shard_nbytes: int  # for sources, the gathered buffer's
+    restorer: AnyProxy
+    request: BucketRequest
 
 
 @dataclass(frozen=True)
 class ForwardRewrite:
     trace: TraceCtx
     sharded: tuple[ShardedBucket, ...]
-    shards: tuple[TensorProxy, ...]  # saved instead of the sharded tensors: one per shard op, and each bucket's sources
-    saved: tuple  # the new saved-for-backward list (tensors then others), for the backward's update
-    k: int  # the shard group's size: what each shard is 1/k of
-    compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (a compacted view, its compact copy: the backward reads it)
+    shards: tuple[TensorProxy, ...]  # saved instead of the sharded tensors
+    saved: tuple  # the new saved-for-backward list (tensors then others)
+    k: int
+    compacted: tuple[tuple[TensorProxy, TensorProxy], ...]  # (view, its compact copy)
 
 
 def rewrite_forward(
     facts: ProgramFacts, shard_ops: list[ShardOpRequest], *, group, k: int, method: str, verify: bool,
     provenance: str, compactions: list[CompactionRequest] = (),
 ) -> ForwardRewrite:
-    """Inserts each ``fp8shard_shard`` right after its bound symbol and saves its shard (and a restorer per bucket)
-    instead of its buckets' members, and the compact copies it makes instead of their views; inserts each
-    ``fp8shard_compact`` after its bound symbol and saves the compact copies instead of the views (``facts``: of the
-    program the plan was made on; its forward is rewritten, not modified). A bucket whose shard is a forward input
-    (``BucketRequest.sources``) has no shard op: its inputs are saved instead of its members, and its restorer is a
-    constant of the backward (:class:`~thunder_fp8shard.runtime.ops.SourceRestorer`)."""
+    """Inserts each ``fp8shard_shard`` and ``fp8shard_compact`` after its bound symbol and saves their shards,
+    restorers and compact copies instead of what they replace. A bucket whose shard is a forward input saves the input
+    and its restorer is a backward constant (:class:`~thunder_fp8shard.runtime.ops.SourceRestorer`)."""
     fw = facts.forward
     body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
     position = {id(b): i for i, b in enumerate(body)}
@@ -146,7 +132,7 @@ def rewrite_forward(
             inserted_after.setdefault(position[id(c.after)], []).extend(scope)
             compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
         for op in shard_ops:
-            if op.buckets[0].sources:  # its own shard op (grouping.group): nothing to insert
+            if op.buckets[0].sources:  # nothing to insert
                 (r,) = op.buckets
                 restorer = ops.SourceRestorer.of(r.members, k)
                 sharded.append(ShardedBucket(r.members, r.sources, restorer.offsets, restorer.nbytes, restorer, r))
@@ -184,18 +170,16 @@ def rewrite_forward(
 
 
 def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance: str) -> tuple[TraceCtx, list[int]]:
-    """Restores each bucket right before its request's consumer (``fp8shard_gather_wait``) and issues its all-gather
-    where its request says (``fp8shard_gather_start``); a wait and a start at the same place are one call
-    (``fp8shard_gather_next``). Each compacted view is read from its compact copy. Returns the new trace and, for
-    each gather in issue order, the index of the bound symbol that issues it.
+    """Restores each bucket before its first consumer (``fp8shard_gather_wait``) after starting its all-gather
+    where its request says; a wait and a start at one place are one ``fp8shard_gather_next``. Compacted views are
+    read from their copies. Returns the new trace and the indices of the bound symbols that issue the gathers.
     """
     saved_tensors, _ = backward_saved(bw)
     if len(saved_tensors) != sum(1 for x in handoff.saved if isinstance(x, TensorProxy)) - len(handoff.shards) + sum(
         len(s.originals) for s in handoff.sharded
     ):
         raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
-    # what Thunder regenerates (the saved list's unpacks, _update_backward_with_new_saved_for_backward; dels and
-    # clears, del_last_used), dropped here: a rule of the rewrite's own, not "not a real op" (liveness.is_compute)
+    # what Thunder regenerates below (unpacks of the saved list, dels and clears) is dropped
     body = [
         b for b in bw.bound_symbols
         if b.sym.id not in (PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT,
@@ -209,7 +193,7 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
     new = from_trace(bw)
     before: dict[int, list[BoundSymbol]] = {}
     with tracectx(new):
-        for s in handoff.sharded:  # in order of first backward use
+        for s in handoff.sharded:
             r = s.request
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
@@ -227,13 +211,12 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
 
 
 def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewrite) -> list[SavedStorage]:
-    """The model's storages of the rewritten forward's saved tensors (``rewrite.saved``, tensors first), with the
-    steps it holds each: a tensor left as it was, its storage's life; a compact copy, its own; a shard op's shard,
-    its buckets' shards (packed) from the op to the wait of its last bucket."""
+    """The model's storages of the rewritten forward's saved tensors, each with the steps it is held: an
+    unchanged tensor's storage life, a compact copy's own, a shard op's from the op to its last bucket's wait."""
     life_of = model.life_of
     copy_of = {view.name: copy for view, copy in rewrite.compacted}
     copies = {copy_of[m].name: (c, j) for c in plan.compacted for j, m in enumerate(c.members)}
-    made = [s for s in rewrite.sharded if not s.request.sources]  # sources (forward inputs) live as the inputs
+    made = [s for s in rewrite.sharded if not s.request.sources]  # sources live as the inputs
     shard_ops = {s.shard.name: [] for s in made}
     for s in made:
         shard_ops[s.shard.name].append(s)
@@ -257,8 +240,8 @@ def expected_storages(model: MemoryModel, plan: ShardPlan, rewrite: ForwardRewri
 
 
 def with_run_checks(handoff: ForwardRewrite, bw: TraceCtx, audit, calibration) -> tuple[TraceCtx, TraceCtx]:
-    """The rewritten forward with ``fp8shard_audit`` of its saved tensors before its return, and the backward with
-    ``fp8shard_calibrate`` before its return (see :mod:`thunder_fp8shard.runtime.audit`)."""
+    """The rewritten forward and the backward with their run-time checks before their returns
+    (:mod:`thunder_fp8shard.runtime.audit`)."""
     out = []
     for trace, insert in ((handoff.trace, lambda: ops.audit(tuple(p for p in handoff.saved if isinstance(
             p, TensorProxy)), audit)), (bw, lambda: ops.calibrate(calibration))):
@@ -277,8 +260,8 @@ def with_run_checks(handoff: ForwardRewrite, bw: TraceCtx, audit, calibration) -
 
 
 def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
-    """The operators inserted at one place, each wait followed by a start made one ``fp8shard_gather_next`` call (the
-    wait first, as before; the two touch different buckets, and nothing runs between them either way)."""
+    """The operators inserted at one place, each wait followed by a start fused into one
+    ``fp8shard_gather_next`` (they touch different buckets)."""
     out: list[BoundSymbol] = []
     for b in inserted:
         if b.sym is ops.gather_start and out and out[-1].sym is ops.gather_wait:
@@ -290,6 +273,6 @@ def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:
 
 
 def operator_calls(fw: TraceCtx, bw: TraceCtx) -> dict[str, int]:
-    """How many times a step the rewritten traces call each run-time operator of the pass, by operator name."""
+    """How many times a step the rewritten traces call each of the pass's run-time operators."""
     mine = (ops.shard, ops.gather_start, ops.gather_next, ops.gather_wait, ops.compact, ops.audit, ops.calibrate)
     return {sym.name: sum(b.sym is sym for t in (fw, bw) for b in t.bound_symbols) for sym in mine}

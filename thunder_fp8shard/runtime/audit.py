@@ -1,35 +1,14 @@
-"""What the pass checks at run time against its plan: the storages the forward really saves (at the first call), and
-the device's peak once a step has run with the optimizer's state (calibration).
+"""Run-time checks of the plan, since the memory model is a prediction: the storages the forward really
+saves, and the device's peak once a step has run with the optimizer's state. They write into the plan's
+:class:`~thunder_fp8shard.runtime.run_report.RunReport`, so no gap stays silent:
 
-The memory model is a prediction: a fusion region that aliases differently than its replay on meta tensors said, an
-executor not modelled, the allocator's rounding. Two run-time operators, inserted by the rewrite, compare the
-prediction with the device and write what they find into the plan's run report
-(:class:`~thunder_fp8shard.runtime.run_report.RunReport`: ``saved`` and ``calibration``; the plan itself stays as
-compiled), so that no gap stays silent:
+- ``fp8shard_audit`` (before the forward's return) compares the saved storages with the model's at the first call;
+  a difference becomes a measured term, with a warning. It also counts the forward's calls in the first step.
+- ``fp8shard_calibrate`` (end of backward) reads the device's peak in the model's second step; the ranks agree on the
+  largest (:class:`StepClock`). Under ``policy="budget"`` a reading over the budget warns and replans.
 
-- ``fp8shard_audit`` (the forward's last operator, before its return) looks, at the first call, at the distinct
-  storages of the tensors the forward saves (as ``torch.autograd.graph.saved_tensors_hooks`` would count them, the
-  buffers of TransformerEngine's quantized tensors included) and compares them, storage by storage, with the model's.
-  A difference becomes a *measured* memory term of the report (``saved storages at the first call``), on the steps
-  the model has those tensors alive, with a warning naming the tensors and their bytes; the report's predicted peak
-  after is the plan's corrected by it (``RunReport.corrected(plan)``). Later calls return at once.
-- ``fp8shard_audit`` also counts the forward's calls until the program's first backward: the report's
-  ``runs_per_step`` (under ThunderFX one compiled program serves every block of the same class and shapes, so its
-  plan runs several times a step; its bytes count that many times).
-- ``fp8shard_calibrate`` (the backward's last operator) reads the device's peak (``torch.cuda.max_memory_allocated``)
-  at each backward's end of the model's second step: the first whose forward and backward run with the optimizer's
-  state (it is created by the first ``optimizer.step()``), and whose peak Thunder's benchmark and most loops do not
-  reset. The ranks agree on the largest reading (one all-reduce MAX, once), so that every rank decides alike; the
-  all-reduce runs where every rank is at the same point whatever program it compiled: at the end of the first
-  forward of the next step (:class:`StepClock`). The report records the reading and its error against the predicted
-  peak. Under ``policy="budget"``, a reading over the budget is a warning, and the pass plans the next compilation
-  with the error as a measured term (``calibration``) and forces that compilation at the next call (it drops the
-  compiled programs from Thunder's cache: the cost is one recompilation, on every rank alike); the user sees both in
-  the new plan. On the CPU nothing is read.
-
-Both read only metadata or one counter: no device synchronization, except the calibration's one all-reduce. Once
-the calibration is done (and no budget was missed), both are removed from the program
-(:mod:`thunder_fp8shard.runtime.steady_state`): the steady-state step does not call them.
+Neither synchronizes the device but for that one all-reduce; once done, both are removed
+(:mod:`thunder_fp8shard.runtime.steady_state`).
 """
 
 from __future__ import annotations
@@ -52,17 +31,17 @@ log = logging.getLogger(__name__)
 
 SAVED_TERM = "saved storages at the first call"
 CALIBRATION_TERM = "calibration"
-CALIBRATION_STEP = 1  # the model's step whose peak is read (from 0): the first with the optimizer's state
+CALIBRATION_STEP = 1  # from 0: the first step with the optimizer's state
 CALIBRATION_AT = f"the largest at a backward's end in the model's step {CALIBRATION_STEP + 1}"
-TOLERANCE = 1024  # bytes a storage may differ from the model's without a term (TE's 4-byte scales, ...)
+TOLERANCE = 1024  # bytes a storage may differ from the model's without a term (TE's scales)
 
-# inner buffers of TransformerEngine's quantized tensors (wrapper subclasses without a storage of their own)
+# inner buffers of TE's quantized tensors (wrapper subclasses without a storage of their own)
 _INNER_BUFFERS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv",
                   "_columnwise_scale_inv")
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages ``t`` keeps alive: its own, or for a TransformerEngine quantized tensor its inner buffers'."""
+    """The storages ``t`` keeps alive: its own, or a TE quantized tensor's inner buffers'."""
     if type(t) in (torch.Tensor, torch.nn.Parameter):
         return [t.untyped_storage()]
     inner = [getattr(t, a, None) for a in _INNER_BUFFERS]
@@ -74,23 +53,22 @@ def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
 class SavedStorage:
     """One storage of the rewritten program's saved tensors, as the model has it."""
 
-    name: str  # the model's name of the storage
-    members: tuple[int, ...]  # positions of its tensors in the saved list
-    nbytes: int  # predicted bytes
-    start: int  # the steps the model holds it (of the unmodified joint program)
+    name: str
+    members: tuple[int, ...]  # positions in the saved list
+    nbytes: int  # predicted
+    start: int  # steps of the unmodified joint program
     end: int
 
 
 def calibration_term(nbytes: int, last: int) -> MemoryTerm:
-    """The error a missed budget measured, planned with from then on (every step)."""
+    """The error a missed budget measured, planned with from then on."""
     return MemoryTerm(CALIBRATION_TERM, MEASURED, f"the device peaked {nbytes:,} B over the prediction, {CALIBRATION_AT} "
                       "(policy budget, replanned)", ((0, last, nbytes),))
 
 
 def compare(expected: list[SavedStorage], names: list[str], saved: list) -> tuple[int, list[Difference]]:
-    """The measured bytes of the distinct storages of ``saved`` (the tensors of the saved list, ``names`` theirs),
-    and the model's storages whose bytes differ by more than :data:`TOLERANCE`: each measured storage counts once,
-    for the first model storage that reaches it (pure but for reading the tensors' storages)."""
+    """The measured bytes of the distinct storages of ``saved``, and the model's storages whose bytes differ by
+    more than :data:`TOLERANCE`; each measured storage counts once."""
     seen: set[int] = set()
     total, differences = 0, []
     for e in expected:
@@ -120,8 +98,8 @@ def saved_term(differences: list[Difference]) -> MemoryTerm:
 
 
 def add_term(report: RunReport, plan: ShardPlan, term: MemoryTerm) -> None:
-    """``term`` into the report's terms, and ``plan``'s timeline and predicted peak after moved by its bytes into
-    the report (the plan stays as compiled)."""
+    """Adds ``term`` to the report, with the plan's timeline and peak after moved by it (the plan stays as
+    compiled)."""
     report.terms = (*report.terms, term)
     t = plan.timeline_after
     if t is None or not term.spans:
@@ -132,9 +110,8 @@ def add_term(report: RunReport, plan: ShardPlan, term: MemoryTerm) -> None:
 
 
 class SavedAudit:
-    """The forward's check of what it saves (``fp8shard_audit``'s state): at the first call, compares and records
-    into ``report``; until the program's first backward, counts the forward's calls (``calls``: under ThunderFX one
-    compiled program can serve several blocks of a step). ``plan``: the prediction it checks (read only)."""
+    """``fp8shard_audit``'s state: compares the saved storages at the first call, and counts the forward's
+    calls until the first backward."""
 
     def __init__(self, plan: ShardPlan, report: RunReport, expected: list[SavedStorage], names: list[str],
                  clock: StepClock | None = None):
@@ -164,21 +141,19 @@ class SavedAudit:
 
 
 class StepClock:
-    """The model's steps as the first-call checks of its programs see them (one clock a transform): a step begins
-    with the first forward after a backward, whichever program each rank compiled for it. Every rank runs its steps
-    together, so the clock is where a collective may run at run time: the calibration's one all-reduce, at the end of
-    the first forward of the step after :data:`CALIBRATION_STEP`. Its first backward ends the ranks' compiling
-    together (``on_backward``: from then on a rank may compile a shape of its own, alone)."""
+    """The model's steps as the first-call checks see them (one clock a transform): a step begins with the first
+    forward after a backward. Every rank runs its steps together, so the calibration's all-reduce runs here, whichever
+    program each rank compiled."""
 
     def __init__(self):
         self.reset()
-        self.agree: Callable[[int], int] = lambda mine: mine  # the largest reading over the ranks (set while compiling)
+        self.agree: Callable[[int], int] = lambda mine: mine  # the largest over the ranks (set while compiling)
         self.on_backward: Callable[[], None] = lambda: None
 
     def reset(self) -> None:
-        """From step 0 again (a missed budget dropped every program: the new ones calibrate anew)."""
+        """From step 0 again (after a missed budget dropped every program)."""
         self.step, self.in_backward, self.done = 0, False, False
-        self.reading: tuple[int, Calibration] | None = None  # this rank's largest peak in the calibration step
+        self.reading: tuple[int, Calibration] | None = None
 
     def forward(self) -> None:
         if not self.in_backward:
@@ -187,7 +162,7 @@ class StepClock:
         self.step += 1
         if self.step > CALIBRATION_STEP and not self.done:
             self.done = True
-            if self.reading is not None:  # every rank alike: a device was read (none on the CPU)
+            if self.reading is not None:  # alike on every rank (None on the CPU)
                 mine, calibration = self.reading
                 calibration.calibrate(mine, self.agree(mine))
 
@@ -200,14 +175,9 @@ class StepClock:
 
 
 class Calibration:
-    """The backward's check of the device's peak (``fp8shard_calibrate``'s state): it hands the model's
-    :class:`StepClock` the device's peak (``peak(device)``, :meth:`~thunder_fp8shard.memory.device.DeviceProbe.peak_allocated`;
-    None on the CPU) at each backward's end, and the clock has the program whose reading was the largest in the
-    calibration step record it (:meth:`calibrate`, with the largest over the ranks), compare it with ``plan``'s
-    prediction as the audit corrected it and, where ``budget_bytes`` is missed, call ``on_miss(error_bytes)`` on
-    every rank alike. Once the clock is done, the next backward calls ``on_done()`` (it removes both checks from the
-    program and says how, :func:`thunder_fp8shard.runtime.steady_state.checks_dropper`). (A plain class: Thunder
-    prints a dataclass constant in the trace field by field.)"""
+    """``fp8shard_calibrate``'s state: hands the :class:`StepClock` the device's peak at each backward's end;
+    a missed budget calls ``on_miss(error_bytes)`` on every rank, and once done ``on_done()`` removes both checks.
+    A plain class: Thunder prints a dataclass constant field by field."""
 
     def __init__(self, plan: ShardPlan, report: RunReport, device: str | None, budget_bytes: int | None,
                  clock: StepClock, on_miss: Callable[[int], None], audit: SavedAudit,
@@ -221,26 +191,25 @@ class Calibration:
         if self.done:
             return
         self.calls += 1
-        if self.calls == 1:  # the program's first backward: its forward ran this many times in the first step
+        if self.calls == 1:  # the first backward: the forward's calls so far are a step's
             self.audit.counting = False
             self.report.runs_per_step = max(self.audit.calls, 1)
         if self.clock.done:
             self.done = True
-            if not self.missed:  # a missed budget dropped the program: nothing left to run without the checks
+            if not self.missed:  # a missed budget dropped the program
                 self._finish()
             return
         self.clock.backward(self, self.peak(self.device))
 
     def _finish(self) -> None:
-        """Both checks are done: the program runs without them from the next call on (``on_done``)."""
+        """Both checks are done: the program runs without them from the next call on."""
         did = self.on_done() if self.on_done is not None else None
         self.report.checks_removed = (f"after backward call {self.calls}: {did}" if did else
                                       f"not removed after backward call {self.calls}: the program is not in "
                                       "Thunder's cache (or the pass was given no cache); both return at once")
 
     def calibrate(self, mine: int, measured: int) -> None:
-        """Records the device's peak (``measured``: the largest over the ranks; ``mine``: this rank's) and replans a
-        missed budget."""
+        """Records the peak (``measured``: the largest over the ranks) and replans a missed budget."""
         predicted = self.report.corrected(self.plan).peak_bytes_after
         error = measured - predicted if predicted is not None else None
         missed = self.budget_bytes is not None and measured > self.budget_bytes
@@ -260,8 +229,8 @@ class Calibration:
 
 
 def cache_dropper(compile_stats) -> Callable[[], None]:
-    """A function dropping every compiled program of Thunder's cache (``compile_stats`` held weakly), so that the next
-    call compiles again."""
+    """A function dropping every compiled program of Thunder's cache, so that the next call compiles
+    again."""
     ref = weakref.ref(compile_stats) if compile_stats is not None else None
 
     def drop() -> None:

@@ -1,32 +1,12 @@
-"""Run-time operators of ``fp8_forward_gather`` (see :mod:`thunder_fp8shard.rewrite.fp8_gather` for where they go and why
-the result is bitwise today's). Two operators, so that per eligible TE linear weight the forward makes about one
-run-time call where Thunder made three (``all_gather``, ``wait``, ``te_functional_linear_fwd``, and the unpad
-slice where padded): the forward is bound by the host's issue time, and each operator call is paid.
+"""Run-time operators of ``fp8_forward_gather`` (:mod:`thunder_fp8shard.rewrite.fp8_gather`): two, so that
+the host-bound forward makes about one call per eligible weight where Thunder made three or four.
 
-``(h1, ..., hk) = fp8shard_weight_gather_starts((t1, ..., tk), (q1, ..., qk), (r1, ..., rk), batch)``
-    one call for a run of adjacent forward all-gathers (Thunder's ``sort_waits`` puts them all at the top of the
-    forward). For each weight: casts this rank's valid rows of its parameter shard with a rowwise-only shallow copy
-    of the linear's weight quantizer (the same ``scale``; the kernel maxes the rows' amax into
-    ``amax_history[0][1]``, which ``te_fp8_amax_and_scale_update`` all-reduces with MAX before the scale update) and
-    issues the uint8 all-gather of the FP8 bytes over FSDP's group; returns one handle a weight.
-``(y, qa, qw) = fp8shard_te_linear_fwd(x, h, bias, q_in, q_w, spec)``
-    replaces ``wait`` [+ unpad slice] + ``te_functional_linear_fwd``: waits for the weight's all-gather, makes the
-    full weight a TE ``Float8Tensor`` (rowwise bytes of the gathered buffer, the scale-inverse TE's kernel wrote for
-    the shard), calls the TE linear forward Thunder's trace called (its Python implementation, taken from the
-    replaced bound symbol: TE takes the quantized weight as is, no second cast) and then turns the returned weight
-    columnwise-only (``update_usage(rowwise=False, columnwise=True)``, what TE does to a weight it quantized itself),
-    so the saved copy has today's layout (``_transpose`` only, from ``tex.fp8_transpose``) and the gathered rowwise
-    bytes die with the call, as TE's own copy did. Same outputs (proxies) as the linear it replaces.
+``fp8shard_weight_gather_starts`` casts this rank's valid rows of each weight with a rowwise-only copy of the linear's
+    quantizer (the rows' amax is all-reduced before the scale update) and starts the uint8 all-gathers.
+``fp8shard_te_linear_fwd`` wraps the gathered bytes as a TE ``Float8Tensor`` and calls the TE linear Thunder called.
 
-Per-call work is only what the operators must do: the constants (rows, shapes, the linear's implementation, the
-rowwise quantizer copy and whether the quantizer qualifies, whether the recipe qualifies) are worked out at the first
-call, or once per new quantizer or recipe object, and kept in the spec.
-
-Run-time fallback: where the recipe is not DelayedScaling with ``reduce_amax``, or the quantizer not a
-``Float8Quantizer`` (the recipe changed after compilation), or an ``internal`` one (TE's own cast would return a bare
-storage, not the Float8Tensor built here), the start all-gathers the bf16 shard as FSDP did and the linear operator
-hands TE the unpadded bf16 weight, which TE casts as today. The recipe is process-global and set by the same user
-code on every rank, so every rank falls back alike (the collectives still match: one all-gather either way).
+Where the recipe or quantizer no longer qualifies, the start gathers the bf16 shard as FSDP did and TE casts. The
+recipe is process-global and set alike on every rank, so every rank falls back alike.
 """
 
 from __future__ import annotations
@@ -42,14 +22,12 @@ from thunder_fp8shard.runtime.ops import executor
 
 _ASYNC = AllgatherOptions()
 _ASYNC.asyncOp = True
-_float8_tensor = None  # TE's Float8Tensor class, imported with the first qualifying quantizer
+_float8_tensor = None  # TE's Float8Tensor class, imported lazily
 
 
 class WeightGatherSpec:
-    """One weight's constants, made by the rewrite: FSDP's group, its size N and this rank's rank in it, the shard's
-    rows ``c`` (``ceil(out/N)``) and this rank's valid rows among them, the full weight's shape and nominal dtype, the
-    Python implementation of the TE linear forward it feeds; and, made at the first call (again only for a new
-    quantizer object), the rowwise-only quantizer copy, or None where the quantizer does not qualify."""
+    """One weight's constants, made by the rewrite, and the rowwise quantizer copy made at the first call
+    (again only for a new quantizer object)."""
 
     __slots__ = ("group", "world_size", "rank", "rows", "valid_rows", "out_features", "in_features", "dtype",
                  "weight", "linear", "padded", "trimmed", "_copy_of", "_copy", "_cast")
@@ -62,16 +40,14 @@ class WeightGatherSpec:
         self.group, self.world_size, self.rank, self.rows, self.valid_rows = group, world_size, rank, rows, valid_rows
         self.out_features, self.in_features, self.dtype, self.weight = out_features, in_features, dtype, weight
         self.linear = linear
-        self.padded = valid_rows != rows  # this rank's shard has padding rows (left out of the cast)
-        self.trimmed = world_size * rows != out_features  # the gathered buffer has padding rows (sliced off)
+        self.padded = valid_rows != rows  # this rank's shard has padding rows
+        self.trimmed = world_size * rows != out_features  # the gathered buffer has padding rows
         self._copy_of, self._copy, self._cast = None, None, None
 
     def rowwise_copy(self, quantizer):
-        """A shallow copy of ``quantizer`` (same ``scale`` and ``amax`` tensors) that casts rowwise only and returns
-        TE's internal storage, or None where ``quantizer`` is not a non-internal ``Float8Quantizer`` (the run-time
-        fallback); ``quantizer``'s own usage flags are never touched. Kept for the next call with the same
-        quantizer, with its cast (``quantize_impl``: what ``Quantizer.__call__`` runs for an internal quantizer
-        without autograd, called directly)."""
+        """A shallow copy of ``quantizer`` (same ``scale`` and ``amax``) that casts rowwise only into TE's
+        internal storage, or None where ``quantizer`` is not a non-internal ``Float8Quantizer`` (the fallback).
+        Kept for the next call with the same quantizer."""
         global _float8_tensor
         if self._copy_of is not quantizer:
             q = None
@@ -92,8 +68,8 @@ class WeightGatherSpec:
 
 
 class GatherBatch:
-    """The specs of one ``fp8shard_weight_gather_starts`` call, in its argument order, and the last recipe object
-    checked (with its verdict), so that an unchanged recipe costs one identity test a call."""
+    """The specs of one ``fp8shard_weight_gather_starts`` call, and the last recipe checked, so that an
+    unchanged recipe costs one identity test a call."""
 
     __slots__ = ("specs", "_recipe", "_recipe_ok")
 
@@ -110,22 +86,22 @@ class GatherBatch:
         return f"{len(self.specs)} weight(s): " + "; ".join(map(str, self.specs))
 
     def collective_text(self) -> str:
-        """The all-gathers of the call, the same on every rank: each weight's shard rows and columns, over N ranks."""
+        """The all-gathers of the call, the same on every rank."""
         return "; ".join(f"{s.rows}x{s.in_features} over {s.world_size}" for s in self.specs)
 
 
 class WeightGatherHandle(NamedTuple):
-    work: Any  # the all-gather's work object
-    buf: torch.Tensor | None  # the gathered buffer: uint8 [N*c, in] (fp8) or the bf16 [N*c, in] (fallback)
-    scale_inv: torch.Tensor | None  # fp8: the shard cast's scale-inverse (written by TE's kernel); None: fallback
+    work: Any
+    buf: torch.Tensor | None  # uint8 (fp8) or bf16 (fallback), [N*c, in]
+    scale_inv: torch.Tensor | None  # None: fallback
     fp8_dtype: Any
-    quantizer: Any  # fp8: the linear's weight quantizer (the Float8Tensor's, as TE's own cast would record it)
-    send: torch.Tensor | None = None  # what this rank sent, kept alive until the wait
+    quantizer: Any
+    send: torch.Tensor | None = None  # kept alive until the wait
 
 
 def exact_recipe(recipe) -> str | None:
-    """None where ``recipe`` makes the FP8 forward gather bitwise today's (DelayedScaling with ``reduce_amax``), else
-    why not. Used at compile time (the plan's note) and at run time (the fallback)."""
+    """None where ``recipe`` makes the FP8 forward gather exact (DelayedScaling with ``reduce_amax``), else
+    why not."""
     if recipe is None:
         return "no FP8 recipe"
     if type(recipe).__name__ != "DelayedScaling":
@@ -138,11 +114,11 @@ def exact_recipe(recipe) -> str | None:
 
 
 def start_one(shard: torch.Tensor, quantizer, fp8: bool, spec: WeightGatherSpec) -> WeightGatherHandle:
-    """One weight's part of ``fp8shard_weight_gather_starts``: with ``fp8`` (the recipe qualifies) and a qualifying
-    quantizer, cast this rank's valid rows and start the uint8 all-gather; else start FSDP's bf16 all-gather."""
+    """One weight's start: cast this rank's valid rows and all-gather the uint8 bytes, or on the fallback
+    start FSDP's bf16 all-gather."""
     q = spec.rowwise_copy(quantizer) if fp8 else None
     n, c, cols = spec.world_size, spec.rows, spec.in_features
-    if q is None:  # fallback: FSDP's bf16 all-gather, as it was
+    if q is None:  # fallback: FSDP's bf16 all-gather
         buf = shard.new_empty((n * c, cols))
         send = shard.contiguous()
         return WeightGatherHandle(spec.group._allgather_base(buf, send, _ASYNC), buf, None, None, None, send)
@@ -172,11 +148,11 @@ def _starts(shards, quantizers, recipes, batch: GatherBatch) -> tuple[WeightGath
 weight_gather_starts = executor.register_operator("fp8shard_weight_gather_starts", meta=_starts_meta, fn=_starts)
 
 def gathered_weight(handle: WeightGatherHandle, spec: WeightGatherSpec):
-    """Waits for ``handle``'s all-gather and returns the full weight: a TE ``Float8Tensor`` over the gathered rowwise
-    bytes (fp8), or the unpadded bf16 weight (fallback)."""
+    """Waits for ``handle``'s all-gather and returns the full weight: a TE ``Float8Tensor`` (fp8) or the
+    unpadded bf16 weight (fallback)."""
     handle.work.wait()
     full = handle.buf[: spec.out_features] if spec.trimmed else handle.buf
-    if handle.scale_inv is None:  # fallback: the bf16 weight, FSDP's unpad slice
+    if handle.scale_inv is None:  # fallback
         return full
     return _float8_tensor(shape=full.shape, dtype=spec.dtype, data=full, fp8_scale_inv=handle.scale_inv,
                           fp8_dtype=handle.fp8_dtype, data_transpose=None, quantizer=handle.quantizer,
@@ -184,9 +160,8 @@ def gathered_weight(handle: WeightGatherHandle, spec: WeightGatherSpec):
 
 
 def to_columnwise(qw, w8) -> None:
-    """What TE does to a weight it quantized itself after the GEMM (basic_linear.py, "Prepare weight tensor for
-    backward pass"): keep only the columnwise copy. TE returns a weight it was given (``w is weight``) unchanged, so
-    where ``qw`` is the gathered ``w8`` do it here; on the fallback TE quantized it and already did."""
+    """Keeps only the columnwise copy of ``qw``, as TE does to a weight it quantized itself. TE returns a
+    weight it was given unchanged, so where ``qw`` is the gathered ``w8`` do it here."""
     if qw is w8 and hasattr(qw, "update_usage"):
         qw.update_usage(rowwise_usage=False, columnwise_usage=True)
 

@@ -1,38 +1,12 @@
-"""Run-time operators the rewrite inserts: small Thunder operators (meta + Python implementation), one call per bucket.
+"""Run-time operators the rewrite inserts: small Thunder operators (meta + Python implementation).
 
-Forward:  ``shard, r1, ..., rb = fp8shard_shard(((t1, ..., tk), ...), spec)``: one call keeps this rank's shards of
-          ``b`` buckets in one tensor (packed back to back), and a restorer per bucket. ``spec`` is the op's
-          :class:`ShardSpec`, made by the rewrite (group, world size, planned bytes, method, verify, names). Where
-          the plan has compactions made by the op (``Compaction.shard_op``), the saved views to compact come as a
-          third argument and their compact copies after the restorers:
-          ``shard, r1, ..., rb, c1, ..., cm = fp8shard_shard(buckets, spec, (v1, ..., vm))``.
-Forward:  ``c1, ..., ck = fp8shard_compact((v1, ..., vk), copies)``: a compact copy of each saved view (see
-          :mod:`thunder_fp8shard.analysis.compaction`), saved instead of it; ``copies`` is the call site's
-          :class:`CompactCopies` (the views' dimension orders, worked out once).
-Checks:   ``fp8shard_audit((saved tensors), audit)`` before the forward's return and ``fp8shard_calibrate(
-          calibration)`` before the backward's (see :mod:`thunder_fp8shard.runtime.audit`): they compare the device with the
-          plan at the first calls, return at once after, and are removed from the program once both are done
-          (see :mod:`thunder_fp8shard.runtime.steady_state`).
-Backward: ``handle = fp8shard_gather_start(shard, offset, nbytes, k, group)`` (issues one bucket's
-          all-gather) and later ``t1, ..., tk = fp8shard_gather_wait(handle, restorer)`` (waits; each member is a view
-          of the gathered buffer, see :mod:`thunder_fp8shard.planning.layout`). Where a wait and the next bucket's start fall
-          at the same place (with ``prefetch >= 1``, at every bucket but the last), they are one call:
-          ``t1, ..., tk, next_handle = fp8shard_gather_next(handle, restorer, shard, offset, nbytes, k,
-          group)`` (waits, then issues the next all-gather), so a bucket costs the backward one operator call.
-
-Shards are flat ``uint8`` tensors (bytes travel as ``uint8`` because gloo refuses float8 collectives), or a bucket's
-source (a parameter shard whose all-gather the saved tensor was: :class:`SourceRestorer`), read as its bytes; the gathered
-buffer is the bucket's layout padded to a multiple of ``k`` (the shard group's size), so no byte is ever dropped.
-
-The operators run tens of times a step in a training loop whose forward is CPU-bound, so a call does only what
-depends on that call's tensors: take the payloads apart, cut this rank's pieces (one view each), copy them into the
-shard (one ``cat``), and in backward view each member out of the gathered buffer (one ``as_strided`` each). The rest
-(the byte layouts, this rank's rank and pieces, the members' shapes, strides and offsets) is worked out on a shard op's
-first call, from the buffers the payload kinds hand over, and kept in its spec as a :class:`_Program`; every call
-checks that the buffers still have the kinds, shapes and dtypes it was worked out for (a change is worked out again;
-bytes other than planned raise). While a profiler runs, each operator runs under a ``record_function`` range named
-after it. The executor below is never passed to ``thunder.jit``: operators inserted after
-``transform_for_execution`` run through their bound symbols' call context.
+Forward, ``fp8shard_shard`` keeps this rank's shards of one or more buckets in one flat ``uint8`` tensor (gloo
+refuses float8 collectives) plus a restorer per bucket; ``fp8shard_compact`` copies saved views compactly. Backward,
+``fp8shard_gather_start`` starts a bucket's all-gather, ``fp8shard_gather_wait`` views the members out of the
+buffer, and ``fp8shard_gather_next`` is both in one call. The operators run tens of times a CPU-bound step, so the
+layouts are worked out on a shard op's first call and kept in its spec (:class:`_Program`). Operators inserted after
+``transform_for_execution`` run through their bound symbols' call context, so the executor is never passed to
+``thunder.jit``.
 """
 
 from __future__ import annotations
@@ -61,9 +35,8 @@ _KIND_OF_TYPE = payload.BY_TYPE
 
 
 def _register(name: str, meta, fn, **kwargs):
-    """``fn`` (a function of this module) as the operator ``name``, under a ``record_function`` range named after it
-    while a profiler runs. ``fn`` is looked up by its name at each call, so that a benchmark can replace it
-    (``benchmarks/paired.py --comm-stream`` replaces ``_gather_start``)."""
+    """``fn`` as the operator ``name``, under a profiler range of that name. ``fn`` is looked up at each call,
+    so that a benchmark can replace it."""
     here, key = globals(), fn.__name__
 
     def profiled(*args):
@@ -77,17 +50,16 @@ def _register(name: str, meta, fn, **kwargs):
 
 
 class ShardSpec:
-    """One shard op's constants, made by the rewrite and baked into its bound symbol; the op keeps the
-    :class:`_Program` it works out on its first call here."""
+    """One shard op's constants, baked into its bound symbol, and the :class:`_Program` it works out."""
 
     __slots__ = ("group", "k", "bucket_nbytes", "method", "verify", "names", "program", "copies")
 
     def __init__(self, group, k: int, bucket_nbytes: tuple[int, ...], method: str, verify: bool,
                  names: tuple[tuple[str, ...], ...]):
-        self.group, self.k, self.bucket_nbytes = group, k, tuple(bucket_nbytes)  # k: the shard group's size
+        self.group, self.k, self.bucket_nbytes = group, k, tuple(bucket_nbytes)
         self.method, self.verify, self.names = method, verify, names
         self.program: _Program | None = None
-        self.copies = CompactCopies()  # the compact copies the op makes, where it makes any
+        self.copies = CompactCopies()
 
     @property
     def shard_nbytes(self) -> int:
@@ -106,11 +78,9 @@ class ShardSpec:
 
 
 class _Restore:
-    """How one bucket's members come back from its gathered buffer: for each distinct dtype but ``uint8``, a view of
-    the buffer (``typed``: dtype, and the bytes that view covers where the buffer's length is not a multiple of the
-    dtype's size); for each member, its payload kind (None: a plain tensor, returned as is) and for each of its
-    buffers ``(view index (0: the buffer itself), shape, stride, offset in elements)``; ``plain``: those segments
-    alone where every member is a plain tensor (the common case: no kind to call)."""
+    """How one bucket's members come back from its gathered buffer: a typed view of the buffer per dtype,
+    and per member its payload kind (None: plain) and ``(view index, shape, stride, offset)`` per buffer; ``plain``
+    is the fast path where every member is a plain tensor."""
 
     __slots__ = ("typed", "members", "plain")
 
@@ -136,10 +106,9 @@ class _Restore:
 
 
 class Restorer:
-    """What, besides the gathered bytes, rebuilds a bucket's members (kept whole on every rank): the bucket's static
-    :class:`_Restore` and its members' restore states (None for plain tensors). Used once: the wait takes the states
-    out, so that nothing here keeps a restored object, and through it the gathered buffer, alive (Thunder's autograd
-    context holds the saved non-tensors until the whole backward is done)."""
+    """What rebuilds a bucket's members besides the gathered bytes. Used once: the wait takes the states out,
+    so nothing here keeps the gathered buffer alive (Thunder's autograd context holds saved non-tensors until the
+    whole backward is done)."""
 
     __slots__ = ("_restore", "_states")
 
@@ -148,7 +117,7 @@ class Restorer:
 
     @property
     def taken(self) -> bool:
-        """Whether the members were restored (and the restorer holds nothing more)."""
+        """Whether the members were restored."""
         return self._states is None
 
     def restore(self, buf: torch.Tensor) -> tuple:
@@ -159,10 +128,8 @@ class Restorer:
 
 
 class SourceRestorer:
-    """The restorer of a bucket whose shards are forward inputs (:mod:`thunder_fp8shard.analysis.own_shards`), all
-    gathered by one coalesced all-gather: each member a plain tensor, a view of its part of the gathered buffer
-    (``offsets``, ``nbytes``: :func:`~thunder_fp8shard.planning.layout.sources_layout`); no state, so one object serves
-    every step (a constant of the backward trace, not a saved value)."""
+    """The restorer of a bucket whose shards are forward inputs, gathered by one coalesced all-gather. It has no
+    state, so one object serves every step as a constant of the backward trace."""
 
     __slots__ = ("_restore", "offsets", "nbytes", "_n")
 
@@ -171,7 +138,7 @@ class SourceRestorer:
 
     @classmethod
     def of(cls, members, k: int) -> SourceRestorer:
-        """The restorer of ``members`` (plain tensor proxies, each all-gathered over ``k`` ranks from its input)."""
+        """The restorer of ``members`` (plain tensor proxies), each all-gathered over ``k`` ranks."""
         likes = [torch.empty(tuple(m.shape), dtype=dtypes.to_torch_dtype(m.dtype), device="meta") for m in members]
         lay = sources_layout([t.nbytes for t in likes])
         return cls(_bucket_restore(lay, [_PLAIN] * len(likes), [1] * len(likes), likes), lay.offsets, lay.nbytes)
@@ -184,12 +151,8 @@ class SourceRestorer:
 
 
 class _Program:
-    """What a shard op works out from the buffers its payloads hand over, kept while they have the same kinds
-    (``kinds``, ``counts``: a kind and a number of buffers a member), ``shapes`` and ``dtypes``: this rank's
-    ``pieces`` in shard order, each ``(buffer index, first byte, bytes, retype, offset in the shard)`` (``retype``:
-    view the buffer as ``uint8`` first), whether they ``tiled`` the shard exactly, the ``dtype`` the pieces are
-    copied in (their common one-byte dtype, else ``uint8``), the buckets' ``layouts`` and ``offsets`` in the shard,
-    and a :class:`_Restore` a bucket (``restores``)."""
+    """What a shard op works out from its payloads' buffers, valid while their kinds, counts, shapes and
+    dtypes stay the same: this rank's ``pieces`` of the shard, the buckets' ``layouts`` and ``restores``."""
 
     __slots__ = ("kinds", "counts", "shapes", "dtypes", "pieces", "tiled", "dtype", "layouts", "offsets", "restores")
 
@@ -200,7 +163,7 @@ def _program(spec: ShardSpec, buckets, kinds: list, counts: list[int], buffers: 
     prog.kinds, prog.counts = kinds, counts
     prog.shapes, prog.dtypes = [b.shape for b in buffers], [b.dtype for b in buffers]
     layouts, first_buffer, restores = [], [], []
-    m = k = 0  # the bucket's first member and first buffer
+    m = k = 0
     for objs in buckets:
         n = sum(counts[m : m + len(objs)])
         lay = bucket_layout([b.nbytes for b in buffers[k : k + n]], spec.k)
@@ -254,12 +217,12 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-# ---- forward: keep 1/N of one or more buckets of replicated payloads ------------------------------------------------
+# ---- forward: keep 1/k of replicated payloads ----
 
 
 def _shard_meta(buckets, spec: ShardSpec, views=()):
     shard = TensorProxy(like=buckets[0][0], shape=(spec.shard_nbytes,), dtype=dtypes.uint8, requires_grad=False)
-    restorers = (AnyProxy(Restorer(None, None), prefix="restore") for _ in buckets)  # names the type
+    restorers = (AnyProxy(Restorer(None, None), prefix="restore") for _ in buckets)
     return (shard, *restorers, *_compact_meta(views, spec.copies))
 
 
@@ -269,7 +232,7 @@ def _shard(buckets, spec: ShardSpec, views=()):
         bucket_states = []
         for obj in objs:
             kind = _KIND_OF_TYPE.get(type(obj)) or payload.kind_of(obj)
-            if kind is _PLAIN:  # the tensor is its one buffer, and needs no state to come back
+            if kind is _PLAIN:
                 buffers.append(obj)
                 bucket_states.append(None)
                 counts.append(1)
@@ -294,15 +257,15 @@ def _shard(buckets, spec: ShardSpec, views=()):
 
 
 def _slice(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's bytes of the buckets: only they are read, and the copy is a fresh allocation, so the full buffers
-    are freed once the forward drops them. The common case is one copy kernel: the pieces tile the shard exactly."""
+    """This rank's bytes of the buckets, a fresh allocation, so the full buffers are freed once the forward
+    drops them; one copy kernel when the pieces tile the shard."""
     pieces = []
     for k, start, n, retype, _ in prog.pieces:
         b = buffers[k]
         if not b.is_contiguous():
             b = b.contiguous()
         if retype:
-            b = (b.view(-1) if b.dim() == 0 else b).view(_UINT8)  # a 0-dim tensor (a scale) has no dim to retype
+            b = (b.view(-1) if b.dim() == 0 else b).view(_UINT8)  # a 0-dim scale has no dim to retype
         pieces.append(b.as_strided((n,), (1,), b.storage_offset() + start))
     if prog.tiled:
         shard = pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)
@@ -344,7 +307,7 @@ shard = _register("fp8shard_shard", _shard_meta, _shard, python_printer=_shard_p
 
 
 def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) -> None:
-    """Raises on every rank if the ranks' payloads differ (all-gathers a SHA-256 digest of each rank's bytes)."""
+    """Raises on every rank if the ranks' payloads differ (compares SHA-256 digests)."""
     h = hashlib.sha256()
     for flat in flats:
         h.update(flat.detach().cpu().numpy().tobytes())
@@ -358,7 +321,7 @@ def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) ->
         )
 
 
-# ---- backward: all-gather the shards and rebuild ------------------------------------------------------------------
+# ---- backward: all-gather the shards and rebuild ----
 
 
 _ASYNC = AllgatherOptions()
@@ -373,23 +336,21 @@ class GatherHandle(NamedTuple):
 
 
 def _gather_start_meta(shard, offset: int, nbytes: int, k: int, group):
-    return AnyProxy(GatherHandle(None, None), prefix="gather")  # the object only names the type
+    return AnyProxy(GatherHandle(None, None), prefix="gather")
 
 
 def _gather_start(shard, offset, nbytes: int, k: int, group) -> GatherHandle:
-    if type(shard) is tuple:  # a bucket's sources: forward inputs (parameter shards), each gathered whole, together
+    if type(shard) is tuple:  # a bucket's sources (forward inputs)
         return _gather_sources(shard, offset, nbytes, k, group)
     mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
     out = shard.new_empty(nbytes * k)
-    # the call dist.all_gather_into_tensor(out, mine, group=group, async_op=True) makes, without its argument checks
-    # (4-6 us of Python a call): plain uint8 tensors of ours, a group this rank is in, never in a coalescing manager
+    # dist.all_gather_into_tensor without its argument checks, which our plain uint8 tensors never need
     return GatherHandle(group._allgather_base(out, mine, _ASYNC), out)
 
 
 def _gather_sources(sources: tuple, offsets: tuple[int, ...], nbytes: int, k: int, group) -> GatherHandle:
-    """One coalesced all-gather of a bucket's inputs (their bytes as they are), each into its part of one buffer.
-    Under gloo, one all-gather an input: its coalesced form gathers into buffers of its own (a larger temporary than
-    the memory model's scratch, measured on the CPU), and speed is NCCL's concern."""
+    """One coalesced all-gather of a bucket's inputs into one buffer. Under gloo, one all-gather each: its
+    coalesced form allocates buffers of its own, larger than the memory model's scratch."""
     ins = [s.detach().reshape(-1).view(_UINT8) for s in sources]
     out = ins[0].new_empty(nbytes)
     outs = [out[o : o + x.numel() * k] for o, x in zip(offsets, ins)]
@@ -403,7 +364,7 @@ def _gather_sources(sources: tuple, offsets: tuple[int, ...], nbytes: int, k: in
     return GatherHandle(_Works([group._allgather_base(o, x, _ASYNC) for o, x in zip(outs, ins)]), out)
 
 
-_COALESCED: dict = {}  # group -> whether its inputs' all-gathers are coalesced (not under gloo)
+_COALESCED: dict = {}  # group -> coalesced (not under gloo)
 
 
 class _Works:
@@ -441,21 +402,19 @@ def _gather_next_meta(handle, restorer, shard, offset: int, nbytes: int, k: int,
 
 def _gather_next(handle: GatherHandle, restorer: Restorer, shard: torch.Tensor, offset: int, nbytes: int,
                  k: int, group) -> tuple:
-    """One bucket's wait and a later bucket's start, as one call: the members of the one, the handle of the other."""
+    """One bucket's wait and a later bucket's start, as one call."""
     return (*_gather_wait(handle, restorer), _gather_start(shard, offset, nbytes, k, group))
 
 
 gather_next = _register("fp8shard_gather_next", _gather_next_meta, _gather_next)
 
 
-# ---- forward: compact copies of saved views -------------------------------------------------------------------------
+# ---- forward: compact copies of saved views ----
 
 
 class CompactCopies:
-    """One call site's compact copies (an ``fp8shard_compact`` call, or a shard op's, see :class:`ShardSpec`): each
-    view's copy is a fresh tensor of the view's own bytes holding its values, its dimensions laid out in the view's
-    order (outermost stride first), so that whatever reads it sees the same layout order. The orders are worked out
-    at the first call and kept while the views' strides stay the same (as :class:`_Program` is for a shard op)."""
+    """One call site's compact copies: each a fresh tensor of the view's own bytes, its dimensions in the
+    view's stride order so readers see the same layout. The orders are kept while the views' strides stay the same."""
 
     __slots__ = ("strides", "orders")
 
@@ -481,14 +440,14 @@ def _compact_meta(views, copies=None):
 
 
 def _compact(views, copies: CompactCopies | None = None) -> tuple:
-    """A compact copy of each view (see :class:`CompactCopies`; ``copies``: the call site's, None: worked out anew)."""
+    """A compact copy of each view (``copies``: the call site's; None: worked out anew)."""
     return (copies or CompactCopies())(views)
 
 
 compact = _register("fp8shard_compact", _compact_meta, _compact)
 
 
-# ---- run-time checks against the plan (thunder_fp8shard.runtime.audit) -----------------------------------------------------
+# ---- run-time checks against the plan ----
 
 
 def _audit_meta(saved, audit):

@@ -1,15 +1,9 @@
 """Run-time payloads: which buffers of a saved object are sharded, and how the object gets them back.
 
-A payload kind ``take``\\ s an object apart into its large buffers (sharded across ranks; any dtype, made contiguous)
-and a small restore state (kept whole on every rank), and ``give``\\ s the object back from views of the gathered
-bytes with the buffers' shapes and dtypes. After ``take`` nothing that the pass keeps references the large
-buffers, so they are freed as soon as the forward trace drops the object.
-
-Plain tensors of any dtype (float8 included) are one kind: the tensor itself is its buffer, and it comes back as a
-view. TransformerEngine's quantized tensors are another (:mod:`thunder_fp8shard.runtime.payload_te`): the object itself is
-kept, without its data buffers, and gets views back; nothing is constructed in backward. Register further kinds with
-:func:`register_payload_kind`; the pass itself does not change. Which kind handles an object is decided by its type
-(:func:`kind_of`, cached): the run-time operators ask once a saved object a step.
+A payload kind ``take``\\ s an object apart into its large buffers (sharded) and a small restore state (kept whole
+on every rank), and ``give``\\ s it back from views of the gathered bytes. After ``take`` the pass references no
+large buffer, so they are freed as soon as the forward drops the object. Plain tensors are one kind; TE's quantized
+tensors another (:mod:`thunder_fp8shard.runtime.payload_te`); :func:`register_payload_kind` adds more.
 """
 
 from __future__ import annotations
@@ -24,19 +18,18 @@ class PayloadKind(Protocol):
     name: str
 
     def matches(self, obj: Any) -> bool:
-        """Whether this kind handles ``obj``; decided by the object's type alone (:func:`kind_of` caches it by type)."""
+        """Whether this kind handles ``obj``; decided by its type alone (cached by type)."""
 
     def take(self, obj: Any) -> tuple[list[torch.Tensor], Any]:
         """The object's large buffers, and the state that rebuilds it from them; ``obj`` must not be used after."""
 
     def give(self, state: Any, buffers: list[torch.Tensor]) -> Any:
-        """The object rebuilt from ``state`` and tensors equal to the buffers ``take`` returned (same shapes and
-        dtypes, contiguous)."""
+        """The object rebuilt from ``state`` and tensors equal to the buffers ``take`` returned."""
 
 
 @dataclass(frozen=True)
 class Member:
-    """One saved object of a bucket, taken apart: its kind, its restore state, and its buffers' shapes and dtypes."""
+    """One saved object of a bucket, taken apart."""
 
     kind: str
     state: Any
@@ -44,7 +37,7 @@ class Member:
 
 
 class PlainTensorPayload:
-    """A dense torch tensor: its own (contiguous) bytes; it comes back as a contiguous view of the same shape."""
+    """A dense torch tensor: its own bytes; it comes back as a view."""
 
     name = "tensor"
 
@@ -58,10 +51,10 @@ class PlainTensorPayload:
         return buffers[0]
 
 
-PLAIN = PlainTensorPayload()  # the run-time operators handle this kind inline: the tensor is its one buffer
+PLAIN = PlainTensorPayload()  # the run-time operators handle it inline
 _KINDS: list[PayloadKind] = [PLAIN]
 _BY_NAME: dict[str, PayloadKind] = {k.name: k for k in _KINDS}
-BY_TYPE: dict[type, PayloadKind] = {}  # kind_of's cache (read directly by the run-time operators)
+BY_TYPE: dict[type, PayloadKind] = {}  # kind_of's cache
 
 
 def register_payload_kind(kind: PayloadKind) -> None:
@@ -79,7 +72,7 @@ def unregister_payload_kind(name: str) -> None:
 
 
 def kind_of(obj: Any) -> PayloadKind:
-    """The payload kind that handles ``obj``: the most recently registered that matches its type (cached by type)."""
+    """The payload kind that handles ``obj``: the most recently registered that matches its type."""
     kind = BY_TYPE.get(type(obj))
     if kind is None:
         kind = next((k for k in _KINDS if k.matches(obj)), None)
@@ -93,8 +86,7 @@ def kind_of(obj: Any) -> PayloadKind:
 
 
 def take(obj: Any) -> tuple[list[torch.Tensor], Member]:
-    """The large buffers of ``obj`` and the :class:`Member` that rebuilds it (see :func:`give`). The payload is each
-    buffer's bytes in contiguous order (:func:`as_bytes`)."""
+    """The large buffers of ``obj`` and the :class:`Member` that rebuilds it."""
     kind = kind_of(obj)
     buffers, state = kind.take(obj)
     return buffers, Member(kind.name, state, tuple((tuple(b.shape), b.dtype) for b in buffers))
@@ -109,7 +101,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, in contiguous order, as a flat ``uint8`` tensor (a view when ``t`` is contiguous)."""
+    """A tensor's bytes in contiguous order as a flat ``uint8`` tensor (a view when contiguous)."""
     t = t.contiguous()
     if t.dim() != 1:
         t = t.view(-1)
@@ -117,11 +109,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_bytes(flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A view of ``flat`` (``uint8``, suitably aligned) as a contiguous tensor of ``shape`` and ``dtype``."""
+    """A view of ``flat`` (``uint8``, aligned) as a contiguous tensor of ``shape`` and ``dtype``."""
     return (flat if dtype == torch.uint8 else flat.view(dtype)).view(shape)
 
 
-try:  # TransformerEngine's quantized tensors exist only where TransformerEngine is installed
+try:  # only where TransformerEngine is installed
     from thunder_fp8shard.runtime.payload_te import EXTRA_KINDS, TransformerEnginePayload
 except ImportError:
     pass

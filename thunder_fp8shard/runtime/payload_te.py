@@ -1,20 +1,9 @@
-"""Payload kinds for TransformerEngine's quantized tensors (imported by :mod:`thunder_fp8shard.runtime.payload` when TE exists).
+"""Payload kinds for TransformerEngine's quantized tensors; importing raises ``ImportError`` without TE.
 
-A TE quantized tensor is a wrapper around a few inner buffers, which TE declares on the storage class as
-``_INNER_TENSORS`` (``(attribute, constructor keyword)`` pairs, TE >= 2.x). This kind uses exactly that contract:
-
-* ``take`` hands over the *large* buffers that are present (for ``Float8Tensor``: ``_data`` and/or ``_transpose``,
-  uint8, one byte per element) and sets those attributes to ``None``. The object itself, with its small
-  ``_scale_inv``, its quantizer, dtypes and flags untouched, is the restore state that every rank keeps.
-* ``give`` puts the views of the gathered bytes back into the same attributes and returns the same object. Nothing
-  is constructed in backward, and the backward sees the object exactly as the forward left it.
-
-Another TE storage type is one more subclass of :class:`_TEQuantizedPayload` naming its storage class and its large
-constructor keywords; the pass does not change. ``MXFP8Tensor`` and ``Float8BlockwiseQTensor`` are declared below;
-only ``Float8Tensor`` (DelayedScaling) has run through the pass on the GPU so far (MXFP8 needs compute capability 10,
-and Thunder's TE executor emits only Float8Tensor on Hopper).
-
-Importing this module raises ``ImportError`` when TransformerEngine is not installed.
+A TE quantized tensor wraps inner buffers that TE declares as ``_INNER_TENSORS``. ``take`` hands over the large ones
+present and sets them to ``None``; the object itself, with its small scale-inverse and quantizer, is the restore
+state. ``give`` puts views of the gathered bytes back, so the backward sees the object as the forward left it and
+nothing is constructed. Another TE storage type is one more subclass of :class:`_TEQuantizedPayload`.
 """
 
 from __future__ import annotations
@@ -30,8 +19,8 @@ from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Floa
 
 @functools.lru_cache(maxsize=None)
 def _large_attributes(cls: type, large_kwargs: tuple[str, ...]) -> tuple[str, ...]:
-    """The attributes of the inner buffers of ``cls`` whose constructor keywords are ``large_kwargs`` (TE declares
-    them on the class: the same for every object, so asked once a type rather than once a saved tensor)."""
+    """The attributes of the inner buffers of ``cls`` whose constructor keywords are ``large_kwargs`` (asked
+    once a type)."""
     return tuple(attr for attr, kw in cls._INNER_TENSORS if kw in large_kwargs)
 
 
@@ -40,7 +29,7 @@ class _TEQuantizedPayload:
 
     name: str = ""
     storage_cls: type = object
-    large_kwargs: tuple[str, ...] = ()  # constructor keywords of the buffers that are sharded
+    large_kwargs: tuple[str, ...] = ()  # of the buffers that are sharded
 
     def matches(self, obj: Any) -> bool:
         return isinstance(obj, self.storage_cls)
@@ -65,8 +54,8 @@ class _TEQuantizedPayload:
 
 
 class TransformerEnginePayload(_TEQuantizedPayload):
-    """TE ``Float8Tensor`` / ``Float8TensorStorage`` (DelayedScaling and current scaling): ``_data`` and
-    ``_transpose`` (uint8) are the payload; ``_scale_inv`` (fp32[1]) stays with the object."""
+    """TE ``Float8Tensor`` / ``Float8TensorStorage``: ``_data`` and ``_transpose`` are the payload;
+    ``_scale_inv`` stays with the object."""
 
     name = "te_float8"
     storage_cls = Float8TensorStorage
@@ -96,6 +85,6 @@ Float8BlockwisePayload = _optional_kind(
     "te_float8_blockwise", ("rowwise_data", "columnwise_data"),
 )
 
-# the TE payload kinds besides TransformerEnginePayload that this TE version has; payload.py registers them all
+# those this TE version has
 EXTRA_KINDS = tuple(k() for k in (MXFP8Payload, Float8BlockwisePayload) if k is not None)
 
