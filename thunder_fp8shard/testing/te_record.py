@@ -1,26 +1,11 @@
-"""One rank's litgpt training run (:func:`thunder_fp8shard.testing.litgpt_run.run_rank`) that also records what
-TransformerEngine computed, for the bitwise tests of ``fp8_forward_gather`` (``tests/test_te_gpu.py::
-test_fp8_forward_all_gather_*``). Not part of the pass.
+"""One rank's litgpt training run that also records what TransformerEngine computed, for the bitwise tests of
+``fp8_forward_gather``. Recorded per rank, in call order: every TE recipe state Thunder's executor creates (its mode,
+then its amax history and scale), and the weight's FP8 bytes (digested) and ``_scale_inv`` of each TE linear forward and
+backward, wrapped where Thunder's executor looks them up at each call.
 
-Recorded, per rank, in call order:
-
-* every TE recipe state Thunder's executor creates (``RecipeState.create``, wrapped): its mode and, after the run,
-  its ``amax_history`` and ``scale`` (the MAX-all-reduced history holds every step's amax; the scale is the last
-  update's);
-* each TE linear forward (``BasicLinear._functional_forward``, wrapped: Thunder's TE executor looks it up at each
-  call, and so does ``fp8_forward_gather``'s ``fp8shard_te_linear_fwd``, which calls Thunder's implementation):
-  the weight's FP8 rowwise bytes as TE used them for the GEMM (``_data``; where TE already dropped it,
-  ``_transpose`` transposed back), digested, its ``_scale_inv`` (hex) and shape;
-* each TE linear backward (``_functional_backward``): the weight's ``_transpose`` (or ``_data``) as TE receives it,
-  digested, and its ``_scale_inv``.
-
-``recipe``: ``"default"`` leaves TE's recipe alone: outside ``te.autocast`` ``get_fp8_recipe`` returns a new
-``DelayedScaling()`` at every call on Hopper, so Thunder's executor makes new states every call and every cast uses
-scale 1; ``"persistent"`` sets one ``DelayedScaling()`` object as TE's process-wide recipe (what
-``FP8GlobalStateManager.get_fp8_recipe`` returns, so Thunder's checker and executor see it), so the states, their
-amax histories and scales carry over from step to step (casts with scales computed from earlier steps' amaxes);
-``"no_reduce_amax"`` sets ``DelayedScaling(reduce_amax=False)`` the same way.
-"""
+``recipe``: ``"default"`` leaves TE's recipe alone (outside ``te.autocast`` TE returns a new ``DelayedScaling()`` each
+call on Hopper, so every cast uses scale 1); ``"persistent"`` installs one ``DelayedScaling()`` as TE's process-wide
+recipe, so states and scales carry over between steps; ``"no_reduce_amax"`` the same with ``reduce_amax=False``."""
 
 from __future__ import annotations
 
@@ -101,8 +86,8 @@ def run_rank_recording_te(rank: int, world_size: int, cfg, recipe: str = "defaul
 
 
 def assert_te_records_equal(a: list[dict], b: list[dict], what: str) -> None:
-    """Every rank's TE states (amax histories, scales) and the FP8 weight bytes and scale-inverses TE used, bitwise
-    equal between two runs; each difference is named (rank, state or call, shape, the differing values)."""
+    """Every rank's TE states and the FP8 weight bytes and scale-inverses TE used, bitwise equal between two runs; each
+    difference is named."""
     for ra, rb in zip(a, b):
         r = ra["rank"]
         sa, sb = ra["te_states"], rb["te_states"]
