@@ -1,16 +1,11 @@
 """Which outputs of a fusion region share a storage with one of its inputs, or with each other.
 
-Thunder's torch.compile executors (every ``TorchCompile<n>`` region) hand a region to ``torch.compile``, which keeps
-eager aliasing: an output that views an input comes back as that view, and outputs viewing one buffer the region
-allocates share it whole. So a region's outputs need not be new storages; in LitGPT's attention the region returns ``v``
-as a view of its input ``qkv``, and a saved ``v`` keeps all of ``qkv`` alive until its backward.
-
-:func:`region_aliasing` finds this out by replaying the region's function (its bound symbols through Thunder's torch
-executor, as ``make_compiled`` builds it) once on fake tensors on the inputs' own devices: no memory, no device work.
-Regions of one structure are replayed once. A region the replay cannot run logs a warning and its outputs count as new
-storages (with ``THUNDER_FP8SHARD_STRICT_REPLAY`` set it raises). Inputs are taken contiguous, as their real strides are
-not in the trace; :mod:`thunder_fp8shard.runtime.audit` reports any difference at the first call. Other fusion executors
-are left alone: their outputs count as new storages."""
+torch.compile keeps eager aliasing, so a ``TorchCompile<n>`` region's outputs need not be new storages: in LitGPT's
+attention the region returns ``v`` as a view of ``qkv``, and a saved ``v`` keeps all of ``qkv`` alive.
+:func:`region_aliasing` replays each region structure once on fake tensors (no memory, no device work) and reads the
+storages that come back. A failed replay warns (raises under ``THUNDER_FP8SHARD_STRICT_REPLAY``) and counts the outputs
+as new; inputs are taken contiguous, and the run-time audit reports any difference. Other fusion executors' outputs
+count as new storages."""
 
 from __future__ import annotations
 
@@ -30,9 +25,8 @@ STRICT_ENV = "THUNDER_FP8SHARD_STRICT_REPLAY"
 
 @dataclass(frozen=True)
 class RegionAliasing:
-    """The storages of a region's outputs: ``views_of`` maps an output viewing a region input to that input's name;
-    ``shared`` lists ``(output names, buffer bytes)`` for each buffer the region allocates that backs several outputs or
-    one smaller than itself. Other outputs are new storages of their own size."""
+    """The storages of a region's outputs: ``views_of``, output -> the input it views; ``shared``, ``(outputs, bytes)``
+    of each buffer the region allocates that backs several outputs or one smaller than itself."""
 
     views_of: dict[str, str]
     shared: tuple[tuple[tuple[str, ...], int], ...]

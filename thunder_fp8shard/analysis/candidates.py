@@ -49,14 +49,13 @@ def find_candidates(saved: Sequence[TensorProxy], candidates: str, te_quantized:
 
 
 def payload_nbytes(p: TensorProxy, te_quantized: set[str]) -> int:
-    """What ``p`` really occupies: its shape's bytes, or 1 byte an element for a TransformerEngine quantized tensor
-    (whose proxy prints the high-precision dtype)."""
+    """What ``p`` really occupies: 1 byte an element for a TE quantized tensor, else its shape's bytes."""
     return numel(p) if p.name in te_quantized else tensor_nbytes(p)
 
 
 def te_quantized_names(trace: TraceCtx) -> set[str]:
-    """Proxies holding TransformerEngine quantized tensors: outputs 1 and 2 of ``te_functional_linear_fwd`` and the
-    pass-through tokens of ``te_fp8_amax_and_scale_update`` that carry them."""
+    """Proxies holding TE quantized tensors: outputs 1 and 2 of the TE linear forward and the scale update's tokens
+    carrying them."""
     quantized: set[str] = set()
     for bsym in trace.bound_symbols:
         name = bsym.sym.name
@@ -70,7 +69,8 @@ def te_quantized_names(trace: TraceCtx) -> set[str]:
 
 
 def saved_bytes_by_dtype(saved: Sequence[TensorProxy], te_quantized: set[str]) -> dict[str, int]:
-    """The payload bytes of the saved tensors (each once) by dtype, largest first: what a plan without candidates names."""
+    """The payload bytes of the saved tensors (each once) by dtype, largest first: what a plan without candidates
+    names."""
     by: dict[str, int] = {}
     seen: set[str] = set()
     for p in saved:

@@ -1,12 +1,7 @@
-"""Compaction of saved views: which storages are kept alive from forward to backward only by saved views smaller than
-them, and where a compact copy of each view would go.
-
-A saved view holds its whole storage until its backward use (LitGPT's saved ``v`` holds all of ``qkv``:
-:mod:`thunder_fp8shard.analysis.aliasing`). Replacing each saved view by a compact copy, made after the last forward use
-of the storage, frees the rest; the copy is rank-local and exact (:func:`thunder_fp8shard.runtime.ops.compact`). A
-storage is an option when its saved tensors together hold fewer bytes than it and none of its tensors is a forward input
-or output, a TransformerEngine quantized tensor or excluded by the caller (a sharding candidate). The planner chooses
-which options to take."""
+"""Compaction options: storages kept alive from forward to backward only by saved views smaller than them (LitGPT's
+``v`` holds all of ``qkv``). A compact copy of each view, made after the storage's last forward use, frees the rest. A
+storage qualifies unless one of its tensors is a forward input or output, a TransformerEngine tensor or excluded (a
+sharding candidate); the planner chooses."""
 
 from __future__ import annotations
 
@@ -24,8 +19,8 @@ def compaction_options(
     graph: nx.DiGraph, lives: Mapping[str, Life], saved: list[TensorProxy], excluded: set[str],
     life_of: Mapping[str, Life] | None = None,
 ) -> list[Compaction]:
-    """The compaction options of the program (``saved``: the forward's saved tensors; ``excluded``: names whose storage
-    is not to be compacted; ``life_of``: each tensor's storage, where the caller has it), in order of allocation."""
+    """The compaction options of the program (``excluded``: names whose storage is not to be compacted), in order of
+    allocation."""
     life_of = storage_of(lives) if life_of is None else life_of
     by_storage: dict[str, dict[str, TensorProxy]] = {}
     for p in saved:

@@ -1,10 +1,6 @@
-"""Names that survive a recompilation: a tensor's structural key and a program's key.
-
-Each rank compiles its own programs (a short last batch, dynamic padding) and Thunder's proxy names are counters, so the
-agreed layout (:mod:`thunder_fp8shard.distributed.layout`) names tensors by how they are computed: a hash of the
-operator, its constants and its arguments' keys, down to the forward's inputs (named after module attributes). Per-rank
-arguments (activations) enter as a placeholder, devices by type and process groups by size, so every rank computes the
-same keys whatever its batch shape."""
+"""Names that survive a recompilation. Ranks compile their own programs and proxy names are counters, so the agreed
+layout names tensors by how they are computed: a hash of the operator, its constants and its arguments' keys down to the
+forward's inputs, with per-rank arguments as a placeholder."""
 
 from __future__ import annotations
 
@@ -40,8 +36,8 @@ def _constant(x) -> str:
 
 
 def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
-    """The structural key of every proxy in ``stable`` (proxies whose value and shape are the same in every compilation)
-    made by the trace's inputs and compute operators; a key repeated in one trace gets its occurrence number."""
+    """The structural key of every proxy in ``stable`` (the same in every compilation); a repeated key gets its
+    occurrence number."""
     stable = set(stable)
     keys: dict[str, str] = {p.name: f"in:{p.name}" for p in forward_inputs(trace) if p.name in stable}
     seen: dict[str, int] = {}
@@ -67,9 +63,8 @@ def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
 
 
 def program_key(trace: TraceCtx, parameters: Iterable[str]) -> str:
-    """What identifies a program across recompilations: the names of its forward's tensor inputs, with the shapes and
-    dtypes of ``parameters`` (under ThunderFX layers of one class share names but not weight shapes; the batch's shape
-    is each compilation's own)."""
+    """What identifies a program across recompilations: its forward's tensor input names, with the shapes and dtypes of
+    ``parameters`` (ThunderFX layers of one class share names)."""
     parameters = set(parameters)
     names = sorted(p.name + (f":{p.dtype}{list(p.shape)}" if p.name in parameters else "")
                    for p in forward_inputs(trace) if isinstance(p, TensorProxy))

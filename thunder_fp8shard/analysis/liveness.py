@@ -1,12 +1,9 @@
-"""Storage lives of the joint forward+backward program: the forward's bound symbols then the backward's, one ``Step``
-each. Pure functions over Thunder traces; the memory besides the program's own is
-:mod:`thunder_fp8shard.memory.resident`'s.
+"""Storage lives of the joint program (the forward's bound symbols then the backward's, one ``Step`` each), as pure
+functions over Thunder traces.
 
-- A bound symbol with subsymbols is one op. Views (view ops, the wait of a future, aliasing torch.compile region
-  outputs) share their input's storage, which lives as long as any tensor viewing it.
-- A storage lives from its allocation to its last real use, inclusive; ``del``, clears and return are not uses. Forward
-  inputs and outputs live to the end of the forward, saved tensors into the backward, gradients to the end.
-- Bytes are ``numel * dtype.bytes`` unless ``nbytes_of`` says otherwise; non-tensor proxies do not count."""
+- Views (view ops, a future's wait, aliasing region outputs) share their input's storage, which lives as long as any
+  tensor viewing it, from its allocation to its last real use (``del``, clears and return are not uses).
+- Forward inputs and outputs live to the end of the forward, saved tensors into the backward, gradients to the end."""
 
 from __future__ import annotations
 
@@ -36,8 +33,7 @@ VIEW_OPS = frozenset(
 )  # fmt: skip
 # Ops returning their ``tokens=`` arguments unchanged (TransformerEngine's scale update)
 PASS_THROUGH_TOKENS = (TE_SCALE_UPDATE,)
-# not real ops, one rule for the whole pass: bookkeeping holds nothing alive and computes nothing; unpacks and checks
-# name trace inputs (a use, no computation)
+# not real ops, one rule for the pass: bookkeeping holds nothing alive; unpacks and checks name inputs
 _UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith(("UNPACK", "CHECK", "ASSERT")))
 _BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT})
 
@@ -65,8 +61,8 @@ class ShardedStorages:
     gather_at: int  # the backward all-gather's issue; the full buffer is allocated here
     first_use: int  # the first backward consumer of any member
     shard_until: int | None = None  # last step the shard is held (default ``first_use``)
-    # a shard op serving several buckets holds one shard until the last one's wait. ``scratch_nbytes``: what the
-    # all-gather itself holds from issue to wait (gloo on the CPU: a temporary of the whole output; NCCL: 0)
+    # several buckets of one shard op share one shard until the last wait; ``scratch_nbytes``: the all-gather's own
+    # temporary (gloo on the CPU)
     scratch_nbytes: int = 0
 
 
@@ -99,7 +95,7 @@ def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, Bou
 
 
 def _label(bsym: BoundSymbol) -> str:
-    """The printed line of ``bsym`` up to its call's "(". Common cases are spelled out: printing every line is slow."""
+    """The printed line of ``bsym`` up to its call's "(", spelled out for common cases (printing is slow)."""
     sym = bsym.sym
     if sym.id == PrimIDs.RETURN:
         return "return"
@@ -142,9 +138,7 @@ def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
 
 
 def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
-    """The joint program as a DAG, producer -> tensor -> consumer: step nodes (``index``, ``phase``, ``bsym``) and
-    tensor nodes by name (``proxy``, ``nbytes``, ``start``, ``held_until``, ``storage_nbytes`` for a region's shared
-    buffer)."""
+    """The joint program as a DAG, producer -> tensor -> consumer; step nodes by index, tensor nodes by name."""
     joint = _joint(fw_trace, bw_trace)
     bw_start = first_backward(phase for phase, _ in joint)
     # collected first and added in bulk: one add_node/add_edge call per use would dominate this function
@@ -201,7 +195,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
 
 
 def uses(graph: nx.DiGraph, names: Iterable[str]) -> tuple[int, ...]:
-    """Sorted steps that really use any of ``names`` (``del``, clears and returns excluded; unpacks included)."""
+    """Sorted steps that really use any of ``names`` (unpacks included)."""
     steps = {c for n in names for c in graph.successors(n) if not is_bookkeeping(graph.nodes[c]["bsym"])}
     return tuple(sorted(steps))
 
@@ -233,8 +227,7 @@ def storage_lives(
     nbytes_of: Callable[[Proxy], int] | None = None,
     graph: nx.DiGraph | None = None,
 ) -> dict[str, Life]:
-    """One ``Life`` per storage, by name, in order of allocation; ``nbytes_of`` overrides a storage's size (TE tensors
-    print bf16 but hold 1 byte an element)."""
+    """One ``Life`` per storage, by name, in order of allocation; ``nbytes_of`` overrides a storage's size."""
     g = graph if graph is not None else joint_graph(fw_trace, bw_trace)
     nodes = g.nodes
     order = {n: k for k, n in enumerate(g)}  # order of first appearance
@@ -311,8 +304,8 @@ def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
 def with_sharding(
     lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedStorages]
 ) -> dict[str, Life]:
-    """The lives after sharding: each group's storages end at ``shard_at``, then ``"<group>.shard"``, ``".gathered"``
-    and ``".scratch"`` live as the group says. Raises ``ValueError`` for an order the pass cannot produce."""
+    """The lives after sharding: each group's storages end at ``shard_at``, then its shard, gathered buffer and scratch
+    live as the group says. Raises ``ValueError`` for an order the pass cannot produce."""
     out = dict(lives)
     for s in groups:
         members = [lives[n] for n in s.lives]
@@ -335,8 +328,8 @@ def with_sharding(
 
 @dataclass(frozen=True)
 class CompactedStorage:
-    """Compacting one storage's saved views: it ends at ``compact_at``, and view ``members[k]`` becomes a copy of
-    ``nbytes[k]`` bytes living to ``ends[k]``."""
+    """Compacting one storage: it ends at ``compact_at``; view ``members[k]`` becomes a copy of ``nbytes[k]`` bytes
+    until ``ends[k]``."""
 
     life: str
     members: tuple[str, ...]

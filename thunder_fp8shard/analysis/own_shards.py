@@ -1,8 +1,6 @@
-"""Saved tensors whose shard already exists: a forward all-gather's output, over the shard group, of a forward input.
-
-Under Thunder FSDP the forward all-gathers each parameter and saves the gathered weight. This rank's rows of it *are*
-its parameter shard when the gather ran over the shard group in order, without padding, and the input is not written in
-the forward: sharding it then copies nothing, and the backward's gather repeats the forward's."""
+"""Saved tensors whose shard already exists: under Thunder FSDP this rank's rows of a saved gathered weight *are* its
+parameter shard, when the gather ran over the shard group in order, unpadded, of an input the forward does not write.
+Sharding it copies nothing."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ def group_ranks(group) -> tuple[int, ...] | None:
 
 def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorProxy], *, ranks: tuple[int, ...],
                group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
-    """Each candidate whose shard is a forward input, with that input: the candidate is ``wait(all_gather(input,
-    group))`` over ``ranks`` in order, along dim 0, of exactly ``len(ranks)`` times the input's bytes, and no bound
-    symbol of the forward writes the input. An input gathered into two candidates serves the first only."""
+    """Each candidate that is ``wait(all_gather(input))`` over ``ranks``, along dim 0, of exactly ``len(ranks)`` times
+    the input's bytes, with an unwritten input: the candidate -> that input (each input serves one candidate)."""
     wanted = set(candidates)
     by_name = {p.name: p for p in inputs}
     k = len(ranks)

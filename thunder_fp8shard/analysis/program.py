@@ -1,5 +1,5 @@
-"""The facts of one compiled program that the stages read, derived once from the forward and backward traces by
-:func:`program_facts` and handed to every stage, so that each fact has one rule."""
+"""The facts of one compiled program the stages read, derived once by :func:`program_facts` so each fact has one
+rule."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ class ProgramFacts:
 
     forward: TraceCtx
     backward: TraceCtx
-    saved: tuple[TensorProxy, ...]  # may repeat a name
+    saved: tuple[TensorProxy, ...]  # in order; a name may repeat
     saved_other: tuple  # the forward's saved non-tensor values, in order
     args: tuple[Proxy, ...]  # args then kwargs, flattened
     outputs: tuple[Proxy, ...]  # the forward's output and flat_output tensors, each once
     model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
     te_names: frozenset[str]  # their proxies print the high-precision dtype
-    backward_start: int  # the forward's bound symbols come before it
+    backward_start: int  # the first backward step of the joint timeline
     steps: tuple[Step, ...]  # one a bound symbol: the forward's, then the backward's
     graph: nx.DiGraph  # liveness.joint_graph of the two traces
     lives: dict[str, Life]  # TE quantized tensors at their payload
@@ -48,7 +48,7 @@ class ProgramFacts:
 
     @functools.cached_property
     def life_of(self) -> dict[str, Life]:
-        """Tensor name -> its storage's life (:func:`~thunder_fp8shard.analysis.liveness.storage_of`), made once."""
+        """Tensor name -> its storage's life."""
         return storage_of(self.lives)
 
     @property
@@ -56,7 +56,7 @@ class ProgramFacts:
         return frozenset(p.name for p in self.saved)
 
     def nbytes(self, p: TensorProxy) -> int:
-        """What ``p`` really occupies (:func:`~thunder_fp8shard.analysis.candidates.payload_nbytes`)."""
+        """What ``p`` really occupies."""
         return payload_nbytes(p, self.te_names)
 
 
@@ -69,8 +69,8 @@ def program_device(trace: TraceCtx) -> str | None:
 
 
 def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) -> ProgramFacts:
-    """The facts of ``fw`` + ``bw`` (Thunder's augmented forward and its backward). ``te_names``: the forward's
-    TransformerEngine quantized tensors, if the caller has them."""
+    """The facts of ``fw`` + ``bw`` (Thunder's augmented forward and its backward); ``te_names``: if the caller has
+    them."""
     te = frozenset(te_quantized_names(fw) if te_names is None else te_names)
     saved, saved_other = forward_saved(fw)
     graph = joint_graph(fw, bw)

@@ -1,11 +1,8 @@
-"""Replication analysis: which proxies of a forward trace hold the same value on every rank of a process group.
-
-A value is *replicated* when it is an all-gather over the group, or an operation this analysis knows to be deterministic
-computes it from replicated inputs and constants only, with a shape those inputs set. Everything else is *per-rank*,
-with the reason traced to its origin: the rank's own inputs and shards, random numbers, operations that may differ
-bit-wise between runs, collectives over other groups, operations the analysis does not understand, and shapes the
-program's constants set: ranks compile their own programs for their own input shapes, so ``cos[:T]`` is another tensor
-on a rank whose ``T`` differs."""
+"""Which proxies of a forward trace hold the same value on every rank of a process group. A value is *replicated* when
+it is an all-gather over the group, or a known deterministic operation computes it from replicated inputs and constants
+with a shape those inputs set. Everything else is *per-rank*, with the reason: the rank's inputs, random numbers,
+non-deterministic or unknown operations, other groups' collectives, and shapes set by constants (ranks compile their own
+shapes, so ``cos[:T]`` differs where ``T`` does)."""
 
 from __future__ import annotations
 
@@ -60,9 +57,8 @@ class Replication:
 def analyze_replication(
     trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset(), input_reasons: Mapping[str, str] | None = None
 ) -> Replication:
-    """Classifies every proxy of ``trace``; ``group`` is the process group the tensors would be sharded over. The roots
-    of replication are the all-gathers over ``group`` and the inputs in ``replicated_inputs`` (the parameters under
-    DDP); every other input is per-rank, for the reason ``input_reasons`` gives or as the rank's own input."""
+    """Classifies every proxy of ``trace``. The roots are the all-gathers over ``group`` and ``replicated_inputs``;
+    other inputs are per-rank, for the reason ``input_reasons`` gives."""
     input_reasons = input_reasons or {}
     replicated: set[str] = set()
     per_rank: dict[str, str] = {}

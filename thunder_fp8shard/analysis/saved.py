@@ -1,5 +1,5 @@
-"""The saved-for-backward contract: the forward returns ``(outputs, (saved_tensors, saved_other))``, the backward takes
-``(saved_for_backward, cotangents)`` with ``saved_for_backward == [saved_tensors, saved_other]``, positionally."""
+"""The saved-for-backward contract: the forward returns ``(outputs, (saved_tensors, saved_other))`` and the backward
+takes ``[saved_tensors, saved_other]``, positionally."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def model_io_names(fw: TraceCtx) -> set[str]:
 
 
 def numel(p: TensorProxy) -> int:
-    """The element count of ``p``'s shape. Avoids ``TensorProxy.numel``, which is slow (``__getattr__`` lookup) and,
-    after Thunder's FSDP rewrites a parameter's ``_shape``, still counts the unsharded parameter."""
+    """The element count of ``p``'s shape, without ``TensorProxy.numel``: slow, and after Thunder FSDP rewrites
+    ``_shape`` still the unsharded count."""
     shape = getattr(p, "_shape", None)
     if type(shape) is tuple and all(type(s) is int for s in shape):
         return math.prod(shape)
