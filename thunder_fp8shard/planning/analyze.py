@@ -37,10 +37,9 @@ class Analysis:
 def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_terms: Sequence[MemoryTerm] = (),
             replication_analysis=analyze_replication, resized: Mapping[str, int] | None = None,
             shard_ranks: tuple[int, ...] = ()) -> Analysis:
-    """The analysis of the program ``facts`` describes. ``setup``: the distributed setup (None: compaction alone);
-    ``device``: the :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling (None on the CPU);
-    ``extra_terms``: memory terms measured at run time; ``replication_analysis``: injectable for tests; ``resized``:
-    storages the forward rewrite resizes; ``shard_ranks``: the shard group's global ranks in order."""
+    """The analysis of ``facts``. ``setup``: None for compaction alone; ``device``: read while compiling (None on the
+    CPU); ``extra_terms``: measured at run time; ``resized``: storages the forward rewrite resizes; ``shard_ranks``: the
+    shard group in order."""
     auto = options.candidates == "auto"
     candidates = find_candidates(facts.saved, "all" if auto else options.candidates, facts.te_names) if (
         setup is not None) else []

@@ -1,11 +1,7 @@
 """Which sharded tensors travel together: buckets (one all-gather each) and shard ops (one forward op keeping the shards
-of consecutive buckets). Pure functions over plain data.
-
-Fewer, larger collectives and shard ops cost the CPU less, but larger groups hold more bytes at once. So groups grow
-only where that is free: tensors are taken in order of first backward use, and each joins the current group when the
-group stays within ``bucket_bytes``, the shard still has compute to hide behind before its all-gather, and wherever the
-grouping holds more bytes than one tensor a bucket would, the model predicts the step stays :data:`HEADROOM` below its
-peak (the margin is the model's accuracy on the device)."""
+of consecutive buckets). Larger groups cost the CPU less but hold more bytes at once, so, in order of first backward
+use, a tensor joins the current group only within ``bucket_bytes``, with compute left to hide the gather, and where the
+model predicts any extra bytes stay :data:`HEADROOM` below the peak."""
 
 from __future__ import annotations
 
@@ -23,17 +19,16 @@ HEADROOM = 0.05  # a merge may add bytes only where the model predicts this frac
 
 
 def prefetched_by(j: int, prefetch: int) -> int | None:
-    """The bucket at whose first backward use bucket ``j``'s all-gather is issued (None: at the start of the backward
-    body); the one rule for both the plan and the rewrite."""
+    """The bucket at whose first backward use bucket ``j``'s all-gather is issued (None: the backward's start); the one
+    rule for plan and rewrite."""
     return j - prefetch if j >= prefetch else None
 
 
 def place(
     buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
 ) -> list[Bucket]:
-    """The :class:`Bucket`\\ s of a grouping: ``buckets`` lists each bucket's members, in order of first backward use;
-    ``ops[j]`` is bucket ``j``'s shard op (consecutive buckets share an op). A shard op runs after the last forward use
-    of its buckets' members, packs their shards one after the other, and is held until its last bucket's wait."""
+    """The :class:`Bucket`\\ s of a grouping (``buckets``: members, in order of first backward use; ``ops[j]``: bucket
+    ``j``'s shard op). A shard op runs after its members' last forward use and is held until its last bucket's wait."""
     placements = model.placements
     first_uses = [placements[b[0].name].first_use for b in buckets]
     layouts = [_layout(b, k) for b in buckets]
@@ -66,8 +61,7 @@ class _Sizes(NamedTuple):
 
 
 def _layout(bucket: Sequence[Decision], k: int) -> _Sizes:
-    """A bucket's bytes per rank and gathered: a shard op's layout, or, where every member's shard is a forward input,
-    the coalesced all-gather's."""
+    """A bucket's bytes per rank and gathered (coalesced where every member's shard is a forward input)."""
     if all(d.shard_source for d in bucket):
         return _Sizes(sum(d.nbytes // k for d in bucket), sources_layout([d.nbytes for d in bucket]).nbytes)
     lay = bucket_layout([d.nbytes for d in bucket], k)
@@ -78,8 +72,7 @@ def group(
     chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
     compactions: Sequence[Compaction] = (),
 ) -> list[Bucket]:
-    """Buckets and shard ops for the chosen tensors, on the model with ``compactions`` made; ``bucket_bytes=0`` gives
-    one tensor a bucket and one bucket a shard op."""
+    """Buckets and shard ops for the chosen tensors; ``bucket_bytes=0``: one tensor a bucket, one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]
     build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, k=k)  # noqa: E731
@@ -110,8 +103,7 @@ def group(
 
 
 def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:
-    """Greedy left-to-right grouping: an item joins the current run when the run stays ``small_enough`` and ``ok``
-    accepts the whole grouping."""
+    """Greedy left-to-right runs: an item joins while the run is ``small_enough`` and ``ok`` accepts the grouping."""
     done: list[list[list]] = []
     current = [items[0]]
     for k in range(1, len(items)):
@@ -138,14 +130,12 @@ def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
 
 def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucket], model: MemoryModel
                       ) -> list[Compaction]:
-    """``compactions`` with the call that makes each taken one's copies: moved to the first shard op at or after its
-    step, else batched with the next lone compactions into one call, each move only where the predicted peak does not
-    rise. ``moved_from`` is the original step."""
+    """``compactions`` with the call making each taken one's copies: the first shard op at or after its step, else one
+    call with the next lone compactions, wherever the predicted peak does not rise."""
     taken = {c.storage: c for c in compactions if c.compacted}
     if not taken:
         return list(compactions)
-    # each compaction touches its own storage alone (none holds a sharded tensor), so the changes add up and each is
-    # computed once a placement
+    # each compaction touches its own storage alone, so the changes add up
     sharded = model.live_bytes(buckets)
     changes: dict[tuple[str, int], np.ndarray] = {}
 

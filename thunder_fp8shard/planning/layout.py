@@ -1,8 +1,6 @@
-"""Byte layout of a bucket: several saved tensors sharded and all-gathered as one flat ``uint8`` buffer.
-
-Members lie one after the other, each at a multiple of ``ALIGN`` (a member rebuilt as a view is as aligned as a fresh
-allocation), the whole padded to a multiple of ``k``, the shard group's size. Rank ``r`` keeps the ``r``-th slice, so
-one ``all_gather_into_tensor`` returns the layout itself and every member comes back as a view, without a copy."""
+"""Byte layout of a bucket: members one after the other, each at a multiple of ``ALIGN``, padded to a multiple of ``k``.
+Rank ``r`` keeps the ``r``-th slice, so one ``all_gather_into_tensor`` returns the layout and members come back as
+views."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The planner: decides, for every candidate, whether to shard it, and says why. Pure functions over plain data.
-
-``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage); ``choose`` applies
-the policy to the sound candidates and the compaction options on the memory model
-(:mod:`thunder_fp8shard.memory.model`), so that peaks and budgets are device bytes, and groups the chosen tensors
-(:mod:`thunder_fp8shard.planning.grouping`); ``make_plan`` is the entry point."""
+"""The planner: decides, for every candidate, whether to shard it, and says why. ``soundness`` decides what may be
+sharded; ``choose`` applies the policy on the memory model (device bytes) and groups the chosen; ``make_plan`` is the
+entry point."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ def soundness(
     candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, k: int,
     model: MemoryModel, saved_names: set[str], sources: Mapping[str, str] | None = None,
 ) -> list[Decision]:
-    """Marks each candidate sharded if sharding it is sound and frees memory, else gives the reason. ``k``: the shard
-    group's size; ``replication`` is over the setup's whole group; ``sources``: candidates whose shard is a forward
-    input, with its name."""
+    """Marks each candidate sharded if that is sound and frees memory, else gives the reason. ``k``: the shard group's
+    size; ``sources``: candidates whose shard is a forward input."""
     sources = sources or {}
     decisions = []
     life_of = model.life_of
@@ -68,9 +64,8 @@ def soundness(
 
 def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPlan,
               agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
-    """The plan of one compilation: ``analysis`` with the agreed memory terms, ``options`` with the agreed budget, ``k``
-    the shard group's size, ``header`` the plan's setup facts, ``agreed`` what was agreed, ``chooser`` the choice
-    (injectable for tests). Returns the plan and the warnings to give."""
+    """The plan of one compilation from the agreed analysis, options and setup facts (``header``); ``chooser`` is
+    injectable for tests. Returns the plan and the warnings to give."""
     model = analysis.model
     sound = []
     if analysis.replication is not None:
@@ -134,11 +129,9 @@ class Choice:
 
 
 def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int) -> Choice:
-    """Applies the policy to the sound decisions and the model's compaction options.
-
-    A tensor whose all-gather would come right after its shard is refused. Policies ``peak`` and ``budget`` weigh each
-    shard and each compaction on its own, by the predicted peak it lowers per byte it moves a step; the buckets are
-    formed from what is kept. ``budget`` plans to :func:`budget_target`."""
+    """Applies the policy to the sound decisions and the compaction options. A tensor whose gather would follow its
+    shard at once is refused. ``peak`` and ``budget`` weigh each shard and compaction on its own, by peak lowered per
+    byte moved."""
     candidates = [d for d in sound if d.sharded]
     refused: dict[str, str] = {}
     notes: list[str] = []
@@ -204,10 +197,9 @@ NOT_IN_LAYOUT = "not in the model's agreed layout (the ranks agreed what is shar
 
 def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int, *,
                   buckets: Sequence[Sequence[str]], ops: Sequence[int]) -> Choice:
-    """The model's agreed layout realized in this program: exactly ``buckets`` (member names, in order of first backward
-    use) sharded by shard ops ``ops``, every other candidate left out, and the rank-local compactions that do not raise
-    the predicted peak. Raises :class:`LayoutError` where a member is not sound here or the buckets are used in another
-    order; warns where the layout raises this program's peak (the ranks' collectives cannot change alone)."""
+    """The agreed layout realized here: exactly ``buckets`` sharded by shard ops ``ops``, plus local compactions that do
+    not raise the peak. Raises :class:`LayoutError` where a member is not sound here or the order differs; warns where
+    it raises this program's peak."""
     by_name = {d.name: d for d in sound}
     members = [n for b in buckets for n in b]
     missing = [n for n in members if n not in by_name or not by_name[n].sharded]
@@ -312,10 +304,9 @@ LOWERS_NOTHING = "does not lower the predicted peak"
 def _never_worse(decisions: list[Decision], compactions: list[Compaction], buckets: list[Bucket], model: MemoryModel,
                  options: ShardOptions, sched: dict, *, lower: bool
                  ) -> tuple[list[Decision], list[Compaction], list[Bucket]]:
-    """The choice as it will run, checked on the memory model as a whole. Policy "all" (``lower=False``) drops the
-    bucket or compaction adding most at the peak step until the peak does not rise; policy "peak" (``lower=True``) does
-    so until it falls, then drops whatever leaves the peak unchanged. Buckets are regrouped after each drop, as a
-    gather's place depends on the others'."""
+    """The choice as it will run, on the whole model: policy "all" drops what adds most at the peak until it does not
+    rise; "peak" until it falls, then anything whose removal leaves it unchanged. Buckets are regrouped after each
+    drop."""
     before = int(model.live_bytes().max())
     dropped: dict[str, str] = {}  # shard -> reason
     undone: dict[str, str] = {}  # compaction's storage -> reason
@@ -360,9 +351,8 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
 
 def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
             ) -> tuple[set[str], int, dict]:
-    """Adds, one at a time, the shard or compaction lowering the predicted peak most per byte it moves a step (each
-    shard with its own gather placement from ``singles``), until the peak stops falling (policy "peak") or reaches
-    ``target`` (policy "budget"). Fills ``refused``; returns the compactions taken, the peak reached and the traffic."""
+    """Adds the shard or compaction lowering the peak most per byte moved until the peak stops falling ("peak") or meets
+    ``target`` ("budget"). Fills ``refused``; returns the compactions taken, the peak reached and the traffic."""
     base = model.live_bytes()
     single = {b.members[0]: b for b in singles}
     # compactions first, then shards in order: the first of equal gains is taken
@@ -391,9 +381,9 @@ def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singl
 
 
 def least_traffic(base, target: int, items) -> int | None:
-    """A lower bound on the bytes a step any choice among ``items`` must move to bring peak ``base`` to ``target``: at
-    the peak step each item lowers the live bytes by a fixed amount, so the fractional knapsack of that step (cheapest
-    bytes per byte lowered first) is a bound no choice beats. None where all items together cannot lower it enough."""
+    """A lower bound on the bytes any choice among ``items`` moves to bring the peak to ``target``: each item lowers the
+    peak step by a fixed amount, so that step's fractional knapsack bounds every choice. None where all cannot reach
+    it."""
     at = int(np.argmax(base))
     need = int(base[at]) - target
     if need <= 0:
