@@ -1,10 +1,7 @@
 """What the device's allocator says while a cache entry compiles: the one place the pass reads device memory.
-
-:func:`measure` runs in the forward hook, before the program's first run: it reads ``memory_allocated``, then forces the
-program's kernel workspaces into existence and records what each added. A tiny GEMM of each kind the program uses runs
-forward and backward (the backward's thread has its own cuBLAS handle); the cuBLAS workspaces are then released, as the
-program recreates those it uses and one left behind would raise every later step. TransformerEngine's workspace is
-reused by its GEMMs, so it stays. Tests replace the :class:`DeviceProbe` to plant figures on the CPU."""
+:func:`measure` reads ``memory_allocated``, then forces the program's kernel workspaces into existence (a tiny GEMM of
+each kind, forward and backward: the backward's thread has its own cuBLAS handle) and records what each added; the
+cuBLAS ones are released again, as the program recreates those it uses. Tests replace the :class:`DeviceProbe`."""
 
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ BIAS_GEMMS = frozenset({"linear", "addmm", "baddbmm", "addbmm", "addmv", "_scale
 
 
 def cublas_gemms(trace: TraceCtx) -> frozenset[str]:
-    """The GEMMs of ``trace`` (the forward: the backward's are their gradients) that are not TransformerEngine's, by
-    name."""
+    """The forward's GEMMs that are not TransformerEngine's, by name."""
     found: set[str] = set()
 
     def visit(bsym) -> None:
@@ -57,8 +53,7 @@ def cublas_gemms(trace: TraceCtx) -> frozenset[str]:
 
 
 def measure(trace: TraceCtx, *, transformer_engine: bool, cublas=("matmul",)) -> DeviceMemory | None:
-    """Allocated bytes and workspace bytes on the device of ``trace``'s inputs (None on the CPU): cuBLAS's for the GEMMs
-    in ``cublas`` (released again once measured), and TE's where ``transformer_engine``."""
+    """Allocated and workspace bytes on the device of ``trace``'s inputs (None on the CPU)."""
     device = program_device(trace)
     if device is None or not torch.cuda.is_available():
         return None
@@ -112,9 +107,8 @@ def _release_cublas_workspaces() -> None:
 
 
 def _te_workspace(dev: torch.device) -> object:
-    """Creates (or finds) the cuBLAS workspace TransformerEngine's GEMMs use on ``dev``. TE >= 2.10 caches it with
-    ``lru_cache`` keyed on ``(device index, False, False)`` as ``general_gemm`` passes them, so it is called with
-    exactly those positional arguments; TE <= 2.9 keeps one module-level tensor on the current device."""
+    """Creates (or finds) TransformerEngine's GEMM workspace on ``dev``. TE >= 2.10 caches it keyed on the positional
+    arguments ``general_gemm`` passes, so these are the same; TE <= 2.9 keeps one module-level tensor."""
     try:
         from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace
     except ImportError as new_api:
@@ -135,8 +129,7 @@ def peak_allocated(device: str | None) -> int | None:
 
 
 class DeviceProbe:
-    """What the pass reads of the device: the allocator while a program compiles (:func:`measure`) and its peak at the
-    calibration step. Injected into the transform, so a test can plant readings on the CPU."""
+    """What the pass reads of the device, injectable so a test can plant readings on the CPU."""
 
     def while_compiling(self, trace: TraceCtx, *, transformer_engine: bool,
                         cublas=("matmul",)) -> DeviceMemory | None:

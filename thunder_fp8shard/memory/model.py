@@ -1,6 +1,5 @@
-"""The memory model: the program's storages and steps, where each candidate sits on them, the compaction options and the
-step's other memory. The one evaluator of choices: the planner and the grouping ask it what buckets and compactions make
-of the live bytes at each step."""
+"""The memory model: the program's storages and steps, each candidate's place on them, the compaction options and the
+step's other memory; the one evaluator of choices."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """The unmodified joint program's storages, steps and candidate placements, and the step's other memory (``terms``)."""
+    """The unmodified program's storages, steps and candidate placements, and the step's other memory."""
 
     lives: dict[str, Life]
     steps: tuple[Step, ...]
@@ -41,10 +40,10 @@ class MemoryModel:
     compute: tuple[bool, ...]  # per step: False for bookkeeping
     terms: tuple[MemoryTerm, ...] = ()
     compactions: tuple[Compaction, ...] = ()  # none taken
-    # the all-gather holds a temporary of its whole output while in flight (gloo on the CPU), from issue to wait
+    # the all-gather holds a temporary of its whole output from issue to wait (gloo on the CPU)
     gather_scratch: bool = False
-    # ``(first step, last step, bytes)`` spans the pass's forward rewrite changes whatever is sharded (a weight gathered
-    # in FP8 instead of bf16: negative); counted in every evaluation but the program as Thunder made it
+    # ``(first, last, bytes)`` spans the forward rewrite changes whatever is sharded; left out of the run without the
+    # pass
     rewritten: tuple[tuple[int, int, int], ...] = ()
 
     def compute_steps_between(self, first: int, last: int) -> int:
@@ -65,8 +64,8 @@ class MemoryModel:
 
     def evaluate(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
                  terms: bool = True, rewritten: bool = True) -> Timeline:
-        """The predicted device timeline with ``buckets`` sharded and ``compactions`` made (``terms=False``: the
-        program's own tensors only; ``rewritten=False``: the run without the pass)."""
+        """The predicted device timeline with ``buckets`` sharded and ``compactions`` made (``rewritten=False``: without
+        the pass)."""
         live = self.live_bytes(buckets, compactions, terms=terms, rewritten=rewritten)
         return Timeline(self.steps, tuple(live.tolist()), backward_start(self.steps))
 
@@ -79,8 +78,8 @@ class MemoryModel:
         return live + self._term_bytes if terms else live
 
     def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
-        """What ``buckets`` and ``compactions`` change in the live bytes at each step, worked out on the storages they
-        touch alone. Raises ``ValueError`` for a bucket the rewrite cannot build."""
+        """What ``buckets`` and ``compactions`` change in the live bytes at each step, on the storages they touch
+        alone."""
         if not buckets and not compactions:
             return np.zeros(len(self.steps), dtype=np.int64)
         groups = [self.sharded_storages(b) for b in buckets]
@@ -120,9 +119,8 @@ def memory_model(
     facts: ProgramFacts, candidates: list[Candidate], *, options: ShardOptions | None = None, device=None,
     gather_scratch: bool = False, resized: Mapping[str, int] | None = None,
 ) -> MemoryModel:
-    """Places every candidate on the program's storages and steps and adds the step's other memory (``device``: read
-    while compiling; without ``options``, the program's alone). ``resized``: storages the forward rewrite resizes, by a
-    proxy's name."""
+    """Places every candidate on the program's storages and adds the step's other memory (without ``options``, the
+    program's alone). ``resized``: storages the forward rewrite resizes."""
     graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
     life_of = facts.life_of
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
@@ -134,7 +132,7 @@ def memory_model(
         if backward_uses:
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
-    # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
+    # the caller holds its inputs and outputs; TE tensors are not plain tensors
     excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
     compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded, life_of))
     rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
@@ -152,8 +150,8 @@ def _resized_lives(lives: Mapping[str, Life], resized: Mapping[str, int]) -> lis
 
 
 def gathers_hold_scratch(group, device: str | None) -> bool:
-    """Whether an all-gather over ``group`` on ``device`` (None: the CPU) holds a temporary of its whole output in the
-    program's memory while in flight: gloo's of CPU tensors does; NCCL and the fake group do not."""
+    """Whether an all-gather over ``group`` holds a temporary of its whole output in the program's memory: gloo's on CPU
+    tensors does, NCCL and the fake group do not."""
     import torch.distributed as dist
 
     try:

@@ -1,21 +1,9 @@
-"""The memory a training step runs in besides the program's own tensors: :class:`~thunder_fp8shard.plan.MemoryTerm`\\ s
-on the joint timeline, each built by a pure function and marked measured, modelled or given.
-
-- **resident at the call** (measured, or ``resident_bytes``): device bytes allocated when the first call compiles, less
-  the program's own inputs there; every step. Not counted on the CPU.
-- **inputs / outputs held by the caller** (modelled): the forward's inputs after their last use, its outputs after the
-  forward, to the end of the backward.
-- **loss** (modelled, or ``loss_bytes``): 2 x the forward's floating-point outputs (cross-entropy's log-softmax and its
-  gradient), at the first backward step.
-- **optimizer state** (``optimizer_states`` x the returned gradients): **unknown** by default, left out of the predicted
-  peak and said so: the optimizer is the caller's and creates its state after the first compilation.
-- **persistent workspaces** (measured by :mod:`thunder_fp8shard.memory.device`); a workspace that could not be forced is
-  its own **unknown** term.
-- **kernel workspaces** (modelled): the sdpa backward's fp32 accumulator the size of its output gradient.
-
-Terms are this rank's own; the ranks agree each term's largest value before planning
-(:mod:`thunder_fp8shard.distributed.agreement`). Gradients are the program's: kept between steps, they appear in a later
-compilation's resident measurement."""
+"""The memory a training step runs in besides the program's own tensors: terms on the joint timeline, each measured,
+modelled or given: resident at the call (allocated at compilation, less the program's inputs), inputs and outputs held
+by the caller, the loss (2 x the forward's floating-point outputs), optimizer state (``optimizer_states`` x the
+gradients; unknown by default, since the optimizer is the caller's and creates it after the first compilation),
+persistent workspaces (:mod:`thunder_fp8shard.memory.device`) and the sdpa backward's fp32 accumulator. The ranks agree
+each term's largest value before planning."""
 
 from __future__ import annotations
 
@@ -128,7 +116,8 @@ def persistent_workspaces(device: DeviceMemory | None, last: int) -> MemoryTerm:
 
 
 def workspaces_not_forced(device: DeviceMemory | None) -> list[MemoryTerm]:
-    """One unknown term per workspace the pass could not force: it exists at run time but is not in the predicted peak."""
+    """One unknown term per workspace the pass could not force: it exists at run time but is not in the predicted
+    peak."""
     if device is None:
         return []
     return [MemoryTerm(f"{kind} workspace", UNKNOWN, f"could not be forced at compilation ({why})")
