@@ -1,15 +1,6 @@
-"""The ranks' collectives at the model's first compilation: the plan's per-rank inputs agreed before planning, the
-ranks' layouts compared after, before any collective of the plan runs.
-
-A plan is a pure function of the program, the options and the step's other memory, which can differ between ranks (each
-device's allocator, rank-dependent ``resident_bytes`` or ``budget_bytes``). Different plans mean collectives of
-different sizes on different ranks: a gloo abort, over NCCL a hang or wrong gradients. So :func:`agree` takes, in one
-all-reduce MAX, each memory term's largest bytes and the smallest budget; :func:`differing` then all-gathers a
-fixed-size digest of each rank's layout, and where they differ every rank gets every layout and the pipeline realizes
-rank 0's, or every rank raises the same error.
-
-Collectives run through an injectable :class:`Collectives`, on the current CUDA device for NCCL, else the CPU (gloo, and
-torch's fake group, whose collectives leave this rank's own values)."""
+"""The ranks' collectives at the model's first compilation. Plans depend on per-rank memory, and different plans mean
+mismatched collectives (a hang or wrong gradients), so :func:`agree` takes each term's largest bytes and the smallest
+budget in one all-reduce MAX, and :func:`differing` compares digests of the ranks' layouts."""
 
 from __future__ import annotations
 
@@ -44,8 +35,7 @@ def collective_device(group) -> torch.device:
 
 
 class Collectives:
-    """The agreement's collectives over a process group, torch.distributed's; a test injects a subclass to plant what
-    the other ranks say."""
+    """The agreement's collectives, torch.distributed's; tests inject a subclass."""
 
     def size(self, group) -> int:
         return dist.get_world_size(group)
@@ -78,26 +68,22 @@ TORCH_COLLECTIVES = Collectives()
 
 def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group,
           comm: Collectives = TORCH_COLLECTIVES) -> Agreement:
-    """The terms and the budget every rank of ``group`` plans with (one all-reduce MAX; see :func:`settle`). Nothing to
-    agree with one rank or no group."""
+    """The terms and budget every rank of ``group`` plans with (one all-reduce MAX; see :func:`settle`)."""
     if group is None or comm.size(group) < 2:
         return Agreement(tuple(terms), budget_bytes, ())
     return settle(terms, budget_bytes, comm.all_reduce_max(encode(terms, budget_bytes), group))
 
 
 def largest(value: int, group, comm: Collectives = TORCH_COLLECTIVES) -> int:
-    """The largest ``value`` over the ranks of ``group``: the calibration's device peak, so that every rank decides
-    alike."""
+    """The largest ``value`` over the ranks of ``group``, so that every rank decides alike."""
     if group is None or comm.size(group) < 2:
         return value
     return int(comm.all_reduce_max([value], group)[0])
 
 
 def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
-    """This rank's slots for the all-reduce MAX: per term its bytes, its first step negated and its last step, padded to
-    :data:`MAX_TERMS` terms, then the budget negated (the MAX of negated values is the smallest). The length is the same
-    on every rank; the only terms whose number can differ (workspaces not forced) are last and empty, so another rank's
-    padding stands in for them."""
+    """This rank's slots for the all-reduce MAX: per term its bytes, first step negated and last step, padded to
+    :data:`MAX_TERMS`, then the budget negated. Terms whose number can differ between ranks are last and empty."""
     if len(terms) > MAX_TERMS:
         raise ValueError(f"ShardIntermediates: {len(terms)} memory terms, more than the {MAX_TERMS} the agreement sends")
     slots = []
@@ -111,9 +97,8 @@ def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
 
 
 def settle(terms: Sequence[MemoryTerm], budget_bytes: int | None, reduced: Sequence[int]) -> Agreement:
-    """The agreement from the reduced slots (pure). A term of at most one span becomes one span of the largest bytes
-    over the steps any rank put it on (source ``AGREED`` where not this rank's own); a term of several spans is modelled
-    from the program's steps alone, the same on every rank, and is kept."""
+    """The agreement from the reduced slots: a term of at most one span becomes the largest bytes over any rank's steps
+    (``AGREED`` where not this rank's own)."""
     if len(reduced) != 3 * MAX_TERMS + 1 or len(terms) > MAX_TERMS:
         raise ValueError(f"ShardIntermediates: {len(reduced)} agreed slots for {len(terms)} memory terms")
     out, values = [], []
@@ -133,9 +118,7 @@ def settle(terms: Sequence[MemoryTerm], budget_bytes: int | None, reduced: Seque
 
 
 def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
-    """What defines the collectives a plan runs, as ``(field, value)`` pairs in a fixed order: sizes, method,
-    ``verify``, group, shard ops, buckets and gather order, in the unmodified program's steps (the same on every rank),
-    without tensor names."""
+    """What defines the collectives a plan runs, as ``(field, value)`` pairs in a fixed order, without tensor names."""
     nbytes_of = {d.name: d.nbytes for d in plan.decisions}
     op_nbytes = plan.shard_op_nbytes
     fields = [("world size", str(plan.world_size)), ("shard group size", str(plan.k)), ("method", plan.method),
@@ -165,8 +148,7 @@ def digest(fields: Sequence[tuple[str, str]]) -> bytes:
 
 
 def differing(layout, group, comm: Collectives = TORCH_COLLECTIVES) -> list | None:
-    """None where every rank of ``group`` agreed the same ``layout`` (one all-gather of digests), else every rank's
-    layout in rank order (one ``all_gather_object``, which every rank makes, having seen the same digests)."""
+    """None where every rank agreed the same ``layout`` (one all-gather of digests), else every rank's layout."""
     if group is None or comm.size(group) < 2:
         return None
     digests = comm.all_gather_digests(layout.digest, group)

@@ -1,11 +1,7 @@
-"""The model's layout: what every program of one model runs collectively, agreed once and kept.
-
-A rank may compile a program alone (a short last batch, dynamic padding), so a compilation may run no collective, and
-every program a rank may run must issue the same collectives. The ranks agree a :class:`Layout` while they compile
-together (the first compilation; again after a missed budget drops every program) and every later compilation realizes
-it without a collective: the same tensors by structural key (:mod:`thunder_fp8shard.analysis.identity`), in the same
-buckets and shard ops. A later program proves it by its :func:`signature`, every collective it issues with sizes and
-groups; one that cannot raises on its rank before any of its collectives runs."""
+"""The model's layout: what every program of one model runs collectively. A rank may compile a program alone (a short
+last batch), so every later compilation realizes the layout the ranks agreed at the first, without a collective: the
+same tensors by structural key, in the same buckets. A program proves it by its :func:`signature`, every collective it
+issues; one that cannot raises before any of them runs."""
 
 from __future__ import annotations
 
@@ -26,8 +22,8 @@ PASS_COLLECTIVES = ("fp8shard_shard", "fp8shard_gather_start", "fp8shard_gather_
 
 @dataclass(frozen=True)
 class Layout:
-    """What every program of a model runs collectively: the sharded tensors by key, in buckets and shard ops, whether
-    Thunder FSDP's collectives are rescheduled, and the collectives a program issues."""
+    """What every program of a model runs collectively: sharded tensors by key, buckets, shard ops, and its
+    collectives."""
 
     buckets: tuple[tuple[str, ...], ...] = ()
     shard_ops: tuple[int, ...] = ()
@@ -94,8 +90,7 @@ def first_difference(mine: tuple[str, ...], agreed: tuple[str, ...]) -> str:
 
 @dataclass
 class Layouts:
-    """A transform's agreed layouts by program key, and whether the ranks compile together now (``open``: until the
-    first backward, and after a missed budget drops every program)."""
+    """A transform's agreed layouts by program key; ``open`` while the ranks compile together."""
 
     open: bool = True
     by_program: dict[str, Layout] = field(default_factory=dict)

@@ -1,13 +1,7 @@
-"""The process group the shards travel on: the setup's own, a second one over its ranks, or a subgroup.
-
-By default each rank keeps a 1/N shard over the setup's group for the shards (``comm="shared"``), or over a second group
-with the same ranks (``comm="dedicated"``: its own communicator and stream). With ``shard_group_size=k`` the setup's
-ranks are cut into runs of ``k`` and each rank keeps a 1/k shard over its run: a tensor identical on every rank of a
-group is identical on every rank of any subgroup, so this is as sound, and the all-gathers stay within a node when ``k``
-is the GPUs a node.
-
-Creating groups is collective, so every rank creates all subgroups of a partition in the same order, once per setup at
-its first compilation (which every rank runs in the same order), and reuses them."""
+"""The process group the shards travel on: the setup's own (``comm="shared"``), a second one over its ranks
+(``"dedicated"``), or with ``shard_group_size=k`` this rank's run of ``k`` consecutive ranks. A tensor identical on a
+group is identical on any subgroup, so a subgroup is as sound. Creating groups is collective: every rank creates all
+subgroups of a partition once, in the same order, at the setup's first compilation."""
 
 from __future__ import annotations
 
@@ -45,8 +39,8 @@ class ShardGroups:
         self._made: dict[tuple, object] = {}
 
     def for_setup(self, own_group, ranks: tuple[int, ...], what: str) -> ShardGroup:
-        """This rank's shard group. ``own_group``: the setup's group for the shards; ``ranks``: the global ranks
-        replicated values are identical on (under FSDP2 HSDP the whole mesh); ``what``: the setup, for errors."""
+        """This rank's shard group. ``ranks``: the global ranks replicated values are identical on; ``what``: for
+        errors."""
         own_ranks = tuple(dist.get_process_group_ranks(own_group))
         k = self.size or len(own_ranks)
         if k == len(own_ranks) and self.comm == "shared":

@@ -1,9 +1,6 @@
-"""Integrations: how a distributed setup tells the pass its process group and which values are identical on every rank.
-
-Each module has ``detect(compile_data, options) -> Integration | None``; the pass uses the first in :data:`INTEGRATIONS`
-that recognizes the compilation. The replication analysis starts from its *replicated roots*: the all-gathers over its
-group, plus the trace inputs it names. ``group=`` is used where a setup names no group, and otherwise must span the same
-ranks. A new setup is one more module here."""
+"""How a distributed setup tells the pass its process group and which values are identical on every rank. Each module's
+``detect`` returns an :class:`Integration` or None; the first match wins. The replication analysis starts from the
+all-gathers over its group plus the inputs it names."""
 
 from __future__ import annotations
 

@@ -15,16 +15,15 @@ class Integration:
     """A recognized distributed setup."""
 
     name: str  # shown in the plan
-    # its all-gathers are replicated roots, replicated values are identical over its ranks (or ``replica_ranks``), and
-    # the shards travel on it by default
+    # replicated values are identical over its ranks (or ``replica_ranks``); the default shard group
     group: object
     replicated_inputs: Callable[[TraceCtx], frozenset[str]] = lambda trace: frozenset()
     # why the other inputs are per-rank, where the setup knows better than "the rank's input"
     input_reasons: Callable[[TraceCtx], Mapping[str, str]] = lambda trace: {}
     notes: tuple[str, ...] = field(default=())  # what the plan should say about this setup
-    # global ranks the replicated values are identical on, where more than ``group``'s (FSDP2 HSDP: the whole mesh)
+    # where more than ``group``'s ranks hold the replicated values (FSDP2 HSDP: the whole mesh)
     replica_ranks: tuple[int, ...] | None = None
-    # ZeRO-2 keeps the gathered weights on purpose (candidates="auto" leaves them)
+    # ZeRO-2 keeps the gathered weights on purpose
     keeps_gathered: bool = False
 
     @property

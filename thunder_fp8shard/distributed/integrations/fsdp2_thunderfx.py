@@ -1,26 +1,17 @@
 """PyTorch FSDP2 (``fully_shard``) under ThunderFX: the replicated roots are the subgraph inputs that are FSDP2's
-unsharded parameters; the shards travel on FSDP2's shard process group.
+unsharded parameters; the shards travel on FSDP2's shard group. Dynamo skips FSDP2's hooks, so each ``fully_shard``-ed
+module's forward is its own graph, and each part ThunderFX hands to ``thunder.jit`` is planned on its own.
 
-Dynamo skips FSDP2's hooks, so each ``fully_shard``-ed module's forward is its own graph, and each supported part
-ThunderFX hands to ``thunder.jit`` is one compilation, planned on its own.
+Soundness: FSDP2's pre-forward hook all-gathers each parameter into its ``_unsharded_param``, which the forward reads.
+An input is a root only when Dynamo's recorded tensor (``grapharg``) *is* that of a live FSDP2 parameter in the
+unsharded state; Dynamo's guards and ``fully_shard``'s own classes keep other layers off the graph. Not covered: one
+class and shape sharded over two meshes would share a graph (``verify=True`` detects it). Under HSDP, parameters are
+identical across the mesh given identical initial weights, which ``fully_shard`` assumes; a shard group run longer than
+FSDP2's relies on that (the plan says so).
 
-Soundness: FSDP2's pre-forward hook all-gathers each parameter over the shard group into its ``_unsharded_param``, which
-the compiled forward reads: the same bytes on every rank. An input is a root only when Dynamo's recorded tensor
-(``node.meta["grapharg"]``) *is* the ``_unsharded_param`` of a live FSDP2 parameter in the unsharded state; every other
-input is per-rank, with the reason. Dynamo's guards and ``fully_shard``'s own classes (``FSDP<Name>``) keep an unmanaged
-layer from reusing the graph. Not covered: one class and shape sharded over two meshes would share a graph;
-``verify=True`` detects it.
-
-HSDP (a replicate x shard mesh): parameters are gathered over the shard dimension and gradients all-reduced over the
-replicate one, so they are identical across the mesh given identical initial weights, which ``fully_shard`` assumes.
-``shard_group_size`` partitions the whole mesh in mesh order; a run longer than a shard group relies on that assumption
-(the plan says so; ``verify=True`` checks it).
-
-The pass never shards subgraph inputs, so the gradients are bitwise unchanged and FSDP2's own reduce-scatter sees the
-same ones. Past ``torch._dynamo.config.cache_size_limit`` Dynamo silently runs layers eagerly, out of the pass's sight:
-raise it. One graph may serve every block of a class, so a plan runs ``runs_per_step`` times a step and sees one
-subgraph, never the step: ``policy="peak"`` and ``"budget"`` are refused. A subgraph without FSDP2 parameters needs
-``group=`` and shards nothing."""
+Subgraph inputs are never sharded, so gradients and FSDP2's reduce-scatter are unchanged. One graph may serve several
+blocks (``runs_per_step``) and no plan sees the step, so ``policy="peak"`` and ``"budget"`` are refused. Past Dynamo's
+``cache_size_limit`` layers run eagerly, unseen: raise it."""
 
 from __future__ import annotations
 
