@@ -1,6 +1,5 @@
-"""The executors of Thunder's own benchmark (``--compile=thunder_inductor_cat``): ``torch_compile_cat_ex`` first. On the
-CPU, :func:`cat_executor` gives a twin without Thunder's CUDA check, so CPU tests see the regions users meet on the GPU;
-it compiles with ``aot_eager``, which aliases outputs as Inductor does, without Inductor's slow C++ codegen."""
+"""The executors of Thunder's own benchmark: ``torch_compile_cat_ex`` first. On the CPU a twin without its CUDA check,
+compiling with ``aot_eager`` (Inductor's aliasing without its slow C++ codegen), lets CPU tests see the same regions."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Small generated models for the property test: seeded random mixes of linear layers, layer norms, expanded and viewed
-weights, straight-through FP8 weight copies and shared weights, run on one rank with and without the pass.
-
-The step's peak comes from the profiler's CPU allocation events replayed in time order (:func:`allocation_peak`): exact
-for everything the step allocates, gloo's temporaries included, and what it leaves out (memory allocated before the
-step, memory outside PyTorch's allocator) is the same in both runs."""
+"""Small generated models for the property test, run on one rank with and without the pass. The step's peak is the
+profiler's CPU allocation events replayed (:func:`allocation_peak`): exact for what the step allocates, and what it
+leaves out is the same in both runs."""
 
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ class _Layer(nn.Module):
 
 
 class Generated(nn.Module):
-    """``case.layers`` in order, a ``tanh`` after each: ``linear``, ``layer_norm`` (Thunder saves its weight expanded),
-    ``expand`` (times a weight vector expanded), ``view`` (a weight used through a reshape), ``fp8``
-    (:class:`FP8WeightLinear`) and ``shared`` (the first linear weight again)."""
+    """``case.layers`` in order, a ``tanh`` after each: ``linear``, ``layer_norm``, ``expand``, ``view`` (a weight
+    reshaped), ``fp8`` (:class:`FP8WeightLinear`), ``shared`` (the first linear weight again)."""
 
     def __init__(self, case: Case):
         super().__init__()
@@ -113,9 +109,8 @@ def allocation_peak(prof) -> int:
 
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
-    """One rank's runs of ``case`` without the pass (key None), then with it for each of ``case.candidates``: the last
-    step's gradients, the bytes its forward saved, the lowest allocation peak of :data:`PEAK_STEPS` steps, and the
-    plan."""
+    """One rank's runs of ``case`` without the pass (key None) and with it for each of ``case.candidates``: gradients,
+    saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plan."""
     import thunder
     from thunder.distributed import FSDPType, ddp
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform

@@ -23,15 +23,14 @@ import torch.multiprocessing as mp
 def run_on_ranks(
     fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600, backend: str = "gloo"
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own process (NCCL: rank r on
-    GPU r). ``fn`` must be importable and return picklable data; a rank's exception is re-raised with its traceback."""
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own process; ``fn`` must be
+    importable and return picklable data."""
     return _run(fn, world_size, tuple(range(world_size)), args, timeout_s, backend)
 
 
 def run_simulated(fn: Callable[..., Any], world_size: int, *args, rank: int = 0, timeout_s: float = 600) -> Any:
     """``fn(rank, world_size, *args)`` as rank ``rank`` of torch's fake process group: collectives move nothing, but
-    shapes, groups, plans and memory are that rank's in a real run. How the benchmarks simulate rank 0 of N on one
-    device."""
+    shapes, plans and memory are that rank's in a real run."""
     return _run(fn, world_size, (rank,), args, timeout_s, "fake")[0]
 
 
@@ -95,13 +94,10 @@ def _rank_main(fn, rank, world_size, port, results, args, backend):
 
 
 class RankPool:
-    """``world_size`` gloo processes started once that run function after function: ``pool.run(fn, *args)`` is
-    ``run_on_ranks`` without the seconds of starting processes (workers fork from a server that imported everything).
-
-    Every rank runs every function in order, so their collectives match; a barrier checks every rank came back. Between
-    functions a worker restores what a fresh process would have (environment, random states, grad mode, default dtype,
-    threads, Dynamo, and any ``thunder_fp8shard`` global a test rebound). A failure on any rank kills the workers, which
-    may wait in a collective forever, and raises that rank's error; the next call starts new ones."""
+    """``world_size`` gloo processes, forked once from a server that imported everything, running function after
+    function. Every rank runs every function in order, and a barrier checks each came back; between functions a worker
+    restores what a fresh process would have (environment, random states, Dynamo, ``thunder_fp8shard`` globals a test
+    rebound). A failure kills the workers (others may wait in a collective) and raises that rank's error."""
 
     def __init__(self, world_size: int, backend: str = "gloo"):
         if backend != "gloo":
@@ -120,8 +116,7 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args, timeout_s: float = 600) -> list[Any]:
-        """``[fn(rank, world_size, *args) for rank in range(world_size)]`` on the pool's workers (started if
-        needed). ``fn`` must be importable and return picklable data."""
+        """``run_on_ranks`` on the pool's workers, started if needed."""
         # here, not in a queue's feeder thread, so a pickling error raises in the caller
         task = pickle.dumps((fn, args))
         if not self.alive:
@@ -192,8 +187,7 @@ class RankPool:
 
 
 class RankPools:
-    """One :class:`RankPool` a world size, started on first use; keeps at most ``max_workers`` processes, closing the
-    least recently used pools first."""
+    """One :class:`RankPool` a world size; at most ``max_workers`` processes, closing the least recently used first."""
 
     def __init__(self, max_workers: int | None = None):
         self.max_workers = max_workers
@@ -220,8 +214,7 @@ POOL_PRELOAD = ["thunder_fp8shard.testing.harness", "thunder_fp8shard.testing.re
 
 
 def _pool_context():
-    """Workers fork from a server that imported torch, Thunder and the pass once, and ran nothing else (no thread, group
-    or device); spawned where there is no fork server."""
+    """Forks workers from a server that imported torch, Thunder and the pass once; spawns where there is none."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -1,7 +1,5 @@
-"""One rank's training run of a litgpt model (or the fake-FP8 toy) with TransformerEngine's executor, under Thunder
-FSDP, DDP or FSDP2 under ThunderFX, with or without the pass: trained by the GPU exactness tests and
-``benchmarks/plan_accuracy.py``. :func:`run_rank` returns per rank the peak memory by phase, saved-for-backward bytes,
-step times, losses (optionally every step's gradient shards) and the plan."""
+"""One rank's training run of a litgpt model (or the fake-FP8 toy) with TransformerEngine, under any supported setup,
+with or without the pass: for the GPU exactness tests and ``benchmarks/plan_accuracy.py``."""
 
 from __future__ import annotations
 
@@ -171,8 +169,7 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> None:
-    """Wraps every transformer block to run under non-reentrant ``torch.utils.checkpoint``, as Thunder's benchmark does:
-    Thunder traces it as ``activation_checkpoint`` and recomputes the block in backward."""
+    """Wraps every transformer block in non-reentrant ``checkpoint``, as Thunder's benchmark does."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
         checkpoint_wrapper,

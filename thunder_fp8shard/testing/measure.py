@@ -11,9 +11,8 @@ from thunder_fp8shard.runtime.audit import storages  # the one storage walk (TE'
 
 
 class SavedBytes:
-    """Bytes of the distinct storages autograd packed while the context was active, each at its size when packed.
-    Storages are held until exit and told apart by identity: by address, a storage freed in place (as FSDP2 does) and a
-    later one at the same address would count once."""
+    """Bytes of the distinct storages autograd packed while active. Storages are held and told apart by identity: by
+    address a freed storage and a later one at the same address would count once."""
 
     def __init__(self) -> None:
         self._storages: dict[int, tuple[torch.UntypedStorage, int]] = {}

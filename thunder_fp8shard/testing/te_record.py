@@ -1,11 +1,7 @@
-"""One rank's litgpt training run that also records what TransformerEngine computed, for the bitwise tests of
-``fp8_forward_gather``. Recorded per rank, in call order: every TE recipe state Thunder's executor creates (its mode,
-then its amax history and scale), and the weight's FP8 bytes (digested) and ``_scale_inv`` of each TE linear forward and
-backward, wrapped where Thunder's executor looks them up at each call.
-
-``recipe``: ``"default"`` leaves TE's recipe alone (outside ``te.autocast`` TE returns a new ``DelayedScaling()`` each
-call on Hopper, so every cast uses scale 1); ``"persistent"`` installs one ``DelayedScaling()`` as TE's process-wide
-recipe, so states and scales carry over between steps; ``"no_reduce_amax"`` the same with ``reduce_amax=False``."""
+"""One rank's litgpt run that also records what TransformerEngine computed, for the bitwise tests of
+``fp8_forward_gather``: each recipe state's amax history and scale, and each TE linear's FP8 weight bytes and
+``_scale_inv``. ``recipe``: ``"default"`` leaves TE's recipe alone (a new one each call, scale 1); ``"persistent"``
+installs one ``DelayedScaling()`` so scales carry over; ``"no_reduce_amax"`` likewise without amax reduction."""
 
 from __future__ import annotations
 

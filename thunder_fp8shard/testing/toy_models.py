@@ -1,10 +1,7 @@
-"""Small models whose saved-for-backward lists hold FP8 tensors, for the demo, the tests and the notebooks.
-
-Thunder saves a fake-FP8 linear's float8 copies only when the dequantize + matmul is recomputed in backward, so each
-runs under ``torch.utils.checkpoint``. The gradient goes straight through: through ``.to(float8)`` it would get a float8
-cotangent that underflows to zero, and an exactness test would prove nothing. The models call torch functions rather
-than tensor methods, operators or submodules, which Thunder's interpreter traces several times slower; the programs are
-the same, and blocks stay module calls where FSDP2's hooks are."""
+"""Small models whose saved-for-backward lists hold FP8 tensors. Thunder saves a fake-FP8 linear's float8 copies only
+when it is recomputed in backward, hence ``checkpoint``; the gradient goes straight through, as a float8 cotangent would
+underflow and prove nothing. Torch functions replace methods, operators and submodule calls, which Thunder's interpreter
+traces more slowly."""
 
 from __future__ import annotations
 
@@ -90,9 +87,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaBlock(nn.Module):
-    """A litgpt-style Llama block (RMSNorm, causal attention with a fused qkv, SwiGLU) with ``FakeFP8Linear`` layers.
-    With ``rope``, LitGPT's attention as written: under ``torch_compile_cat_ex`` one region returns ``v`` as a view of
-    ``qkv`` (:mod:`thunder_fp8shard.analysis.aliasing`)."""
+    """A litgpt-style Llama block with ``FakeFP8Linear`` layers; with ``rope``, LitGPT's attention, where one
+    torch.compile region returns ``v`` as a view of ``qkv``."""
 
     def __init__(self, n_embd: int, n_head: int, intermediate_size: int, rope: bool = False):
         super().__init__()
@@ -163,8 +159,8 @@ class PreNormBlock(nn.Module):
 
 
 class PreNormMLP(nn.Module):
-    """Pre-norm MLP blocks and a linear head in full precision: Thunder saves ``shallow_copy`` aliases of the parameters
-    under DDP, the gathered weights under FSDP, and the LayerNorm weight expanded."""
+    """Pre-norm MLP blocks and a head in full precision: Thunder saves parameter aliases, gathered weights and an
+    expanded LayerNorm weight."""
 
     def __init__(self, d: int = 32, n_blocks: int = 2):
         super().__init__()
@@ -178,8 +174,7 @@ class PreNormMLP(nn.Module):
 
 
 class FP8WeightLinear(torch.autograd.Function):
-    """``x @ dequant(quant(w)).T`` saving the float8 copy of ``w`` for backward, with a straight-through full-precision
-    gradient for ``w``: the example of docs/fp8_copies.md."""
+    """``x @ dequant(quant(w)).T``, saving the float8 ``w`` with a straight-through gradient (docs/fp8_copies.md)."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -200,9 +195,8 @@ def _checkpointed_block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> 
 
 
 class CheckpointedBlocks(nn.Module):
-    """Square linear pairs, each under ``torch.utils.checkpoint``: the forward saves each block's input and its gathered
-    weights for the recompute, and with wide layers and few rows the weights outweigh the activations, as in a
-    checkpointed LLM."""
+    """Square linear pairs under ``checkpoint``: the forward saves the gathered weights for the recompute, which
+    outweigh the activations, as in a checkpointed LLM."""
 
     def __init__(self, width: int = 256, blocks: int = 4):
         super().__init__()

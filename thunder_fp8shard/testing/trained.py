@@ -1,10 +1,6 @@
-"""Which plans of a run trained, and a step's totals over them: the one rule for the litgpt run, the benchmarks' summary
-and ``benchmarks/plan_accuracy.py``.
-
-A plan whose budget the device missed was replanned, so it is left out. Under ThunderFX one subgraph's plan may run for
-several blocks a step: a step's total is each plan's figure times its runs. The training plan is the one with the most
-decisions and compactions. Pure, and imports nothing of the pass: the benchmarks load this file beside older revisions
-of the pass, whose plans may lack fields (hence ``getattr``) and reports."""
+"""Which plans of a run trained, and a step's totals over them (each plan's figure times its runs a step; plans
+replanned after a missed budget left out). Pure and free of the pass's imports: benchmarks load it beside older
+revisions, whose plans may lack fields."""
 
 from __future__ import annotations
 
