@@ -1,29 +1,11 @@
 """Which outputs of a fusion region share a storage with one of its inputs, or with each other.
 
-A bound symbol of Thunder's torch-level view ops (``reshape``, ``transpose``, ``split``, ...) returns a view of its
-input, and :mod:`thunder_fp8shard.analysis.liveness` knows those by name. A *fusion region* is one bound symbol whose
-outputs look new, but need not be: Thunder's torch.compile executors (``torch_compile_cat_ex``, which Thunder's own
-``benchmark_litgpt.py`` puts first with ``--compile=thunder_inductor_cat``, ``torch_compile_ex``,
-``torch_compile_xentropy_ex``: every ``TorchCompile<n>`` region) hand the region's function to ``torch.compile``,
-which keeps eager aliasing: an output that is a view of an input comes back as a view of that input, and outputs
-that are views of one buffer the region allocates come back sharing that buffer, whole (AOTAutograd regenerates
-such outputs from their base). LitGPT's attention is the case that matters: the qkv split, views and transposes land
-in one region with the RoPE and its ``cat``, and the region returns ``v`` as a view of its input ``qkv``, so a saved
-``v`` (a third of ``qkv``) keeps all of ``qkv`` alive until its backward.
-
-:func:`region_aliasing` finds this out by running the region's function as torch.compile is given it (the region's
-bound symbols through Thunder's torch executor, as ``thunder.executors.torch_compile.make_compiled`` builds it) once,
-eagerly, on fake tensors (``FakeTensorMode``) on the inputs' own devices: no memory and no device work, a region that
-names a device (``.to(torch.device("cuda:0"))``, a tensor made there) meets tensors on it as when it runs, and the
-storages that come back say which outputs alias what. A region the replay cannot run logs a warning and its outputs
-count as new storages; with ``THUNDER_FP8SHARD_STRICT_REPLAY=1`` (the tests) it raises. Regions of
-the same structure (every layer of a model) are replayed once. The inputs are taken contiguous (their real strides
-are not in the trace): a region that copies or views depending on its inputs' strides could differ; the pass
-measures the saved storages at the first call and reports any difference (:mod:`thunder_fp8shard.runtime.audit`).
-
-Other fusion executors are left alone (their outputs count as new storages): nvFuser moves the view ops at a
-fusion's edges out of it ("bookends", then top-level views the model sees) and was not available to check here.
-"""
+torch.compile keeps eager aliasing, so a ``TorchCompile<n>`` region's outputs need not be new storages: in LitGPT's
+attention the region returns ``v`` as a view of ``qkv``, and a saved ``v`` keeps all of ``qkv`` alive.
+:func:`region_aliasing` replays each region structure once on fake tensors (no memory, no device work) and reads the
+storages that come back. A failed replay warns (raises under ``THUNDER_FP8SHARD_STRICT_REPLAY``) and counts the outputs
+as new; inputs are taken contiguous, and the run-time audit reports any difference. Other fusion executors' outputs
+count as new storages."""
 
 from __future__ import annotations
 
@@ -36,17 +18,15 @@ from thunder.core.symbol import BoundSymbol
 
 log = logging.getLogger(__name__)
 
-TORCH_COMPILE_REGION = "TorchCompile"  # the fusion symbols' name prefix of thunder/executors/torch_compile.py
-# set (not "0"): a region the replay cannot run raises instead of a warning (the tests set it: tests/conftest.py)
+TORCH_COMPILE_REGION = "TorchCompile"  # the fusion symbols' name prefix in thunder/executors/torch_compile.py
+# set (not "0"): a failed replay raises instead of warning
 STRICT_ENV = "THUNDER_FP8SHARD_STRICT_REPLAY"
 
 
 @dataclass(frozen=True)
 class RegionAliasing:
-    """The storages of a fusion region's outputs, by output name: ``views_of`` maps an output that is a view of a
-    region input to that input's name; ``shared`` lists the buffers the region allocates that back more than one
-    output, or an output smaller than the buffer: ``(output names, the buffer's bytes)``. Outputs in neither are
-    new storages of their own size."""
+    """The storages of a region's outputs: ``views_of``, output -> the input it views; ``shared``, ``(outputs, bytes)``
+    of each buffer the region allocates that backs several outputs or one smaller than itself."""
 
     views_of: dict[str, str]
     shared: tuple[tuple[tuple[str, ...], int], ...]
@@ -60,8 +40,8 @@ def is_torch_compile_region(bsym: BoundSymbol) -> bool:
 
 
 def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
-    """What :class:`RegionAliasing` says of ``bsym``'s outputs (``NO_ALIASING`` for bound symbols that are not
-    torch.compile regions, and where the replay fails: logged, and the outputs then count as new storages)."""
+    """:class:`RegionAliasing` of ``bsym``'s outputs (``NO_ALIASING`` if it is not a torch.compile region or the replay
+    fails)."""
     if not is_torch_compile_region(bsym):
         return NO_ALIASING
     ins = _unique_args(bsym)
@@ -69,7 +49,7 @@ def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
     try:
         key = _structure(bsym)
         by_position = _replayed(key, bsym)
-    except Exception as e:  # noqa: BLE001  (a region the replay cannot run: counted as new storages, as before)
+    except Exception as e:  # noqa: BLE001 (counted as new storages)
         if os.environ.get(STRICT_ENV, "") not in ("", "0"):
             raise RuntimeError(f"could not replay {bsym.sym.name} on fake tensors ({STRICT_ENV} is set)") from e
         log.warning("ShardIntermediates: could not replay %s on fake tensors (%s: %s); its outputs count as new "
@@ -83,9 +63,8 @@ def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
 
 
 def _unique_args(bsym: BoundSymbol) -> list:
-    """The region's arguments, each proxy once (in order of first appearance): a region may take one tensor at
-    several positions (LitGPT's RoPE region takes ``cos`` and ``sin`` once for ``q`` and once for ``k`` under
-    Thunder FSDP), which a function of its own cannot take as parameters of one name."""
+    """The region's arguments, each proxy once in order of first appearance: a region may take one tensor at several
+    positions, which a function cannot take as parameters of one name."""
     seen, out = set(), []
     for a in bsym.args:
         if isinstance(a, Proxy):
@@ -97,8 +76,8 @@ def _unique_args(bsym: BoundSymbol) -> list:
 
 
 def _structure(bsym: BoundSymbol) -> tuple:
-    """A key that regions of the same structure share: their inputs' shapes and dtypes, and each bound symbol's name,
-    its arguments (proxies by order of first appearance, other values as printed) and its outputs."""
+    """A key shared by regions of one structure: input shapes and dtypes, and each bound symbol's name, arguments and
+    outputs (proxies by order of first appearance)."""
     index: dict[str, int] = {}
 
     def canon(x):
@@ -118,8 +97,7 @@ _cache: dict[tuple, tuple] = {}
 
 
 def _replayed(key: tuple, bsym: BoundSymbol) -> tuple:
-    """``(views: ((output index, input index), ...), shared: ((output indices, buffer bytes), ...))``, cached by
-    structure."""
+    """``(views: ((output, input index), ...), shared: ((output indices, buffer bytes), ...))``, cached by structure."""
     if key not in _cache:
         _cache[key] = _replay(bsym)
     return _cache[key]
@@ -132,8 +110,7 @@ def _replay(bsym: BoundSymbol) -> tuple:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fn = _region_function(bsym)
-    # fake tensors on the inputs' own devices: a region whose bound symbols name a device (a tensor made on
-    # cuda:0, a .to(device)) meets tensors on that device, as it does when it runs
+    # on the inputs' own devices, so a region that names a device meets tensors there
     with FakeTensorMode(), torch.no_grad():
         inputs = [_fake(a) for a in _unique_args(bsym)]
         results = fn(*inputs)
@@ -160,8 +137,7 @@ def _replay(bsym: BoundSymbol) -> tuple:
 
 
 def _fake(p):
-    """A tensor like ``p`` under the FakeTensorMode the caller entered (no memory, ``p``'s device), else ``p``'s
-    value."""
+    """A tensor like ``p`` under the caller's FakeTensorMode, else ``p``'s value."""
     import torch
     from thunder.core.devices import to_torch_device
     from thunder.core.dtypes import to_torch_dtype
@@ -176,8 +152,7 @@ def _fake(p):
 
 
 def _region_function(bsym: BoundSymbol):
-    """The region's function as ``make_compiled`` gives it to torch.compile: its bound symbols through the torch
-    executor, its inputs as arguments, its outputs returned."""
+    """The region's function as ``make_compiled`` gives it to torch.compile."""
     from thunder.core import prims
     from thunder.core.codeutils import SigInfo
     from thunder.core.trace import TraceCtx, tracectx

@@ -13,16 +13,16 @@ from thunder_fp8shard.analysis.names import TE_LINEAR_FWD, TE_SCALE_UPDATE
 from thunder_fp8shard.analysis.saved import numel, tensor_nbytes
 
 FLOAT8 = "float8"  # a tensor with a torch float8 dtype
-TE_FLOAT8 = "te_float8"  # a TransformerEngine quantized tensor; its proxy prints the high-precision dtype
-TENSOR = "tensor"  # any other tensor (candidates="all"; under "auto" where its shard is an input already)
-# candidates="auto": a tensor whose shard is an input (an all-gathered parameter, analysis.own_shards) of fewer bytes
-# costs a collective a step for what a norm's weight weighs
+TE_FLOAT8 = "te_float8"  # TransformerEngine quantized tensor; its proxy prints the high-precision dtype
+TENSOR = "tensor"  # any other tensor (candidates="all", or "auto" where its shard is an input already)
+# candidates="auto": below this, a tensor whose shard is an input (analysis.own_shards) costs a collective a step for
+# too little memory
 AUTO_INPUT_SHARD_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A saved-for-backward tensor the pass considers. ``payload_bytes`` is what it really occupies per rank."""
+    """A saved-for-backward tensor the pass considers; ``payload_bytes`` is what it occupies per rank."""
 
     proxy: TensorProxy
     kind: str
@@ -34,9 +34,7 @@ class Candidate:
 
 
 def find_candidates(saved: Sequence[TensorProxy], candidates: str, te_quantized: set[str]) -> list[Candidate]:
-    """The forward's saved tensors ``saved`` (:attr:`~thunder_fp8shard.analysis.program.ProgramFacts.saved`) that are
-    FP8 (``candidates="fp8"``) or all of them (``"all"``), each once; ``te_quantized``: :func:`te_quantized_names` of
-    the forward."""
+    """The saved tensors that are FP8 (``candidates="fp8"``) or all of them (``"all"``), each once."""
     found: dict[str, Candidate] = {}
     for p in saved:
         if p.name in found:
@@ -51,15 +49,13 @@ def find_candidates(saved: Sequence[TensorProxy], candidates: str, te_quantized:
 
 
 def payload_nbytes(p: TensorProxy, te_quantized: set[str]) -> int:
-    """What ``p`` really occupies: its shape's bytes, but 1 byte an element for a TransformerEngine quantized tensor
-    (TE keeps one uint8 buffer per saved quantized tensor under DelayedScaling, its transpose), whose proxy prints
-    the high-precision dtype."""
+    """What ``p`` really occupies: 1 byte an element for a TE quantized tensor, else its shape's bytes."""
     return numel(p) if p.name in te_quantized else tensor_nbytes(p)
 
 
 def te_quantized_names(trace: TraceCtx) -> set[str]:
-    """Proxies holding TransformerEngine quantized tensors: outputs 1 and 2 of ``te_functional_linear_fwd`` and the
-    pass-through tokens of ``te_fp8_amax_and_scale_update`` that carry them."""
+    """Proxies holding TE quantized tensors: outputs 1 and 2 of the TE linear forward and the scale update's tokens
+    carrying them."""
     quantized: set[str] = set()
     for bsym in trace.bound_symbols:
         name = bsym.sym.name
@@ -73,8 +69,8 @@ def te_quantized_names(trace: TraceCtx) -> set[str]:
 
 
 def saved_bytes_by_dtype(saved: Sequence[TensorProxy], te_quantized: set[str]) -> dict[str, int]:
-    """The bytes of the forward's saved tensors ``saved`` (each tensor once, its payload), by dtype as Thunder
-    prints it (``float32``, ``float8_e4m3fn``, ...), largest first: what a plan without candidates names."""
+    """The payload bytes of the saved tensors (each once) by dtype, largest first: what a plan without candidates
+    names."""
     by: dict[str, int] = {}
     seen: set[str] = set()
     for p in saved:

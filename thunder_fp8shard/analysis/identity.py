@@ -1,13 +1,6 @@
-"""Names that survive a recompilation: a tensor's structural key and a program's key.
-
-Ranks compile their own programs (a short last batch, dynamic padding: each rank traces its own shapes, whenever its
-shape first appears), and Thunder's proxy names are counters. The model's agreed layout
-(:mod:`thunder_fp8shard.distributed.layout`) therefore names the tensors it shards by how they are computed: a key is
-a hash of the operator, the keys of its arguments and its constants, down to the forward's inputs (by name: Thunder
-names parameters after the module's attributes). An argument that differs between ranks or shapes (the rank's
-activations) enters as a placeholder, so a weight's FP8 copy keeps its key whatever batch shape the linear saw.
-Devices enter by type and process groups by size, so that every rank computes the same keys.
-"""
+"""Names that survive a recompilation. Ranks compile their own programs and proxy names are counters, so the agreed
+layout names tensors by how they are computed: a hash of the operator, its constants and its arguments' keys down to the
+forward's inputs, with per-rank arguments as a placeholder."""
 
 from __future__ import annotations
 
@@ -37,16 +30,14 @@ def _constant(x) -> str:
         return "(" + ",".join(_constant(v) for v in x) + ")"
     if isinstance(x, (torch.device, devices.Device)):
         return f"device:{x.type}"
-    if isinstance(x, dist.ProcessGroup):  # by size: subgroups of a partition are peers, each rank in its own
+    if isinstance(x, dist.ProcessGroup):  # by size: subgroups of a partition are peers
         return f"group:{x.size()}"
     return f"<{type(x).__name__}>"
 
 
 def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
-    """The structural key of every proxy in ``stable`` (names of ``trace``'s proxies whose value and shape are the
-    same in every compilation of the model, e.g. :attr:`~thunder_fp8shard.analysis.replication.Replication.replicated`)
-    that the trace's inputs and compute operators make. A key repeated in one trace (a weight used by two linears)
-    gets its occurrence number."""
+    """The structural key of every proxy in ``stable`` (the same in every compilation); a repeated key gets its
+    occurrence number."""
     stable = set(stable)
     keys: dict[str, str] = {p.name: f"in:{p.name}" for p in forward_inputs(trace) if p.name in stable}
     seen: dict[str, int] = {}
@@ -72,10 +63,8 @@ def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
 
 
 def program_key(trace: TraceCtx, parameters: Iterable[str]) -> str:
-    """What identifies one program of a model across recompilations: the names of its forward's tensor inputs (the
-    parameters and the batch, named after the module's attributes and the function's arguments), with the shapes
-    and dtypes of ``parameters`` (under ThunderFX the layers of one class are graphs of one code object: the same
-    names, their own weights' shapes; the batch's shape is each compilation's own)."""
+    """What identifies a program across recompilations: its forward's tensor input names, with the shapes and dtypes of
+    ``parameters`` (ThunderFX layers of one class share names)."""
     parameters = set(parameters)
     names = sorted(p.name + (f":{p.dtype}{list(p.shape)}" if p.name in parameters else "")
                    for p in forward_inputs(trace) if isinstance(p, TensorProxy))

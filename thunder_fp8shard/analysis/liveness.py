@@ -1,30 +1,9 @@
-"""Storage lives of the joint forward+backward program (pure functions over Thunder traces).
+"""Storage lives of the joint program (the forward's bound symbols then the backward's, one ``Step`` each), as pure
+functions over Thunder traces.
 
-The joint program is the forward trace's bound symbols followed by the backward trace's, one ``Step`` each.
-``joint_graph`` builds a networkx graph of bound symbols and tensors; ``storage_lives`` groups aliasing tensors
-into storages (connected components of view edges) and gives each one interval of steps; ``span_bytes`` sums the
-live bytes per step; ``with_sharding`` and ``with_compaction`` say what sharding buckets of saved tensors, and
-compacting saved views, do to the lives. Nothing here mutates a trace. This is the program's own memory; the memory
-the step runs in besides it (parameters held by the caller, optimizer state, workspaces, ...) is
-:mod:`thunder_fp8shard.memory.resident`'s, and :mod:`thunder_fp8shard.memory.model` puts the two together.
-
-Model (what counts, and for how long):
-
-- Storages are produced by bound symbols of either trace (a bound symbol with subsymbols is one op). A
-  ``FutureTensorProxy`` counts by its buffer, and ``torch_wait_prim_impl`` returns a view of that buffer. The
-  outputs of a view op (``VIEW_OPS``) share their input's storage; so do the outputs of a torch.compile fusion region
-  that are views of one of its inputs, and the region's outputs that are views of one buffer it allocates share that
-  buffer, counted at its size (:mod:`thunder_fp8shard.analysis.aliasing`). A storage lives as long as any tensor viewing it.
-- Trace inputs: the forward's tensor arguments (parameters and inputs) are live from step 0 to the end of the
-  forward at least (the caller holds them); the backward's own inputs (the cotangents) from the first backward
-  step. Unpack bound symbols allocate nothing. The backward unpacks ``C0`` under the forward names, so those are
-  the forward storages, and the unpack counts as a use of them.
-- A storage is live from the step that allocates it to its last real use, inclusive. ``del``,
-  ``clear_mutable_collection`` and return do not count as uses, except that the forward's saved tensors live
-  at least into the backward, the forward's ``output``/``flat_output`` live to the end of the forward, and the
-  backward's returned gradients live to the end of the backward.
-- Bytes are ``numel * dtype.bytes`` unless ``nbytes_of`` says otherwise; non-tensor proxies are not counted.
-"""
+- Views (view ops, a future's wait, aliasing region outputs) share their input's storage, which lives as long as any
+  tensor viewing it, from its allocation to its last real use (``del``, clears and return are not uses).
+- Forward inputs and outputs live to the end of the forward, saved tensors into the backward, gradients to the end."""
 
 from __future__ import annotations
 
@@ -43,7 +22,7 @@ from thunder_fp8shard.analysis.names import SLICE, TE_SCALE_UPDATE, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs, forward_outputs, forward_saved, tensor_nbytes
 from thunder_fp8shard.plan import Step, Timeline
 
-# Ops whose output (every output, for split/chunk) is a view of their first tensor argument.
+# Ops whose outputs view their first tensor argument.
 VIEW_OPS = frozenset(
     {
         "reshape", "view", "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "contiguous",
@@ -54,8 +33,7 @@ VIEW_OPS = frozenset(
 )  # fmt: skip
 # Ops returning their ``tokens=`` arguments unchanged (TransformerEngine's scale update)
 PASS_THROUGH_TOKENS = (TE_SCALE_UPDATE,)
-# "not a real op", one rule for the pass (liveness, replication, the forward gather's uses): bookkeeping holds no tensor
-# alive and computes nothing; unpacks (and the prologue's checks) name trace inputs, a use but no computation
+# not real ops, one rule for the pass: bookkeeping holds nothing alive; unpacks and checks name inputs
 _UNPACKS = frozenset(p for p in PrimIDs if p.name.startswith(("UNPACK", "CHECK", "ASSERT")))
 _BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT})
 
@@ -64,29 +42,27 @@ _BOOKKEEPING = frozenset({PrimIDs.DEL, PrimIDs.RETURN, PrimIDs.COMMENT})
 class Life:
     """One storage: a group of aliasing proxies, counted once, live on the steps [start, end]."""
 
-    name: str  # representative proxy name (the first-produced one of the group)
-    members: tuple[str, ...]  # all proxy names aliasing this storage, in order of appearance
+    name: str  # the first-produced proxy of the group
+    members: tuple[str, ...]  # in order of appearance
     nbytes: int
-    start: int  # step where it is allocated (0 for forward inputs)
+    start: int  # 0 for forward inputs
     end: int  # step of its last use, inclusive
 
 
 @dataclass(frozen=True)
 class ShardedStorages:
-    """What the sharding pass does to a group of saved storages sharded together (a bucket; the indices are steps
-    of the unmodified program)."""
+    """What sharding a bucket of saved storages does (indices are steps of the unmodified program)."""
 
     name: str  # e.g. "bucket3"
-    lives: tuple[str, ...]  # Life names of the saved storages being sharded
-    shard_nbytes: int  # bytes of the 1/N shard kept between forward and backward
-    gathered_nbytes: int  # bytes of the all-gathered buffer, which the restored tensors are views of
-    shard_at: int  # step after which the full storages are replaced by the shard (their last forward use)
-    gather_at: int  # step where the all-gather is issued in backward (the full buffer is allocated here)
-    first_use: int  # first backward consumer of any member (the wait is just before it)
-    shard_until: int | None = None  # last step the shard is held (default ``first_use``; a shard op serving several
-    # buckets keeps one shard for all of them, until the wait of the last)
-    # bytes the collective itself holds while the all-gather is in flight, from its issue to its wait (gloo's
-    # all_gather_into_tensor on the CPU: a temporary of the whole gathered output); 0: none (NCCL, the fake group)
+    lives: tuple[str, ...]  # Life names of the sharded saved storages
+    shard_nbytes: int  # the 1/N shard kept between forward and backward
+    gathered_nbytes: int  # the all-gathered buffer the restored tensors view
+    shard_at: int  # the full storages' last forward use
+    gather_at: int  # the backward all-gather's issue; the full buffer is allocated here
+    first_use: int  # the first backward consumer of any member
+    shard_until: int | None = None  # last step the shard is held (default ``first_use``)
+    # several buckets of one shard op share one shard until the last wait; ``scratch_nbytes``: the all-gather's own
+    # temporary (gloo on the CPU)
     scratch_nbytes: int = 0
 
 
@@ -99,8 +75,7 @@ def _tensors(xs: Iterable) -> list[Proxy]:
 
 
 def is_bookkeeping(bsym: BoundSymbol) -> bool:
-    """``del``, return, comments and ``clear_mutable_collection``: not a use of their arguments (they hold no tensor
-    alive by themselves)."""
+    """``del``, return, comments and ``clear_mutable_collection``: not uses of their arguments."""
     return bsym.sym.id in _BOOKKEEPING or bsym.sym.name == "clear_mutable_collection"
 
 
@@ -110,7 +85,7 @@ def is_unpack(bsym: BoundSymbol) -> bool:
 
 
 def is_compute(bsym: BoundSymbol) -> bool:
-    """False for steps that compute nothing (not a real op): bookkeeping and unpacks."""
+    """False for bookkeeping and unpacks, which compute nothing."""
     return not (is_bookkeeping(bsym) or is_unpack(bsym))
 
 
@@ -120,12 +95,7 @@ def _joint(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> list[tuple[str, Bou
 
 
 def _label(bsym: BoundSymbol) -> str:
-    """The printed line of ``bsym`` up to its call's "(" (``"t387 = torch.nn.functional.linear"``, ``"del t12"``).
-
-    The common cases (the default printer with one tensor or no output, ``del`` of proxies) are spelled out from
-    the names, as the printer would; printing a whole line (every argument) costs more than the rest of the
-    analysis, so only the rare other symbols are printed.
-    """
+    """The printed line of ``bsym`` up to its call's "(", spelled out for common cases (printing is slow)."""
     sym = bsym.sym
     if sym.id == PrimIDs.RETURN:
         return "return"
@@ -168,22 +138,10 @@ def forward_return(fw_trace: TraceCtx) -> tuple[list[Proxy], list[Proxy]]:
 
 
 def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
-    """The joint program as a DAG of bound symbols and tensors (edges producer -> tensor -> consumer).
-
-    Bound-symbol nodes are the step indices, with attributes ``index``, ``phase`` and ``bsym``. Tensor nodes are
-    proxy names, with attributes ``proxy``, ``nbytes`` (default size), ``start`` (step allocating it) and
-    ``held_until`` (the step it lives to at least even without uses: end of forward for forward inputs and
-    outputs, the first backward step for saved tensors, the last step for gradients; else ``start``), and for the
-    outputs of a fusion region that share a buffer it allocates, ``storage_nbytes`` (that buffer's bytes). Unpacks
-    produce nothing: the backward's unpack of the saved tensors is an edge from the forward tensor (same name).
-    Graph attributes: ``backward_start`` (index of the first backward step) and ``region_views``, the (input,
-    output) pairs of fusion regions whose output views that input or shares a buffer with another output
-    (:func:`thunder_fp8shard.analysis.aliasing.region_aliasing`).
-    """
+    """The joint program as a DAG, producer -> tensor -> consumer; step nodes by index, tensor nodes by name."""
     joint = _joint(fw_trace, bw_trace)
     bw_start = first_backward(phase for phase, _ in joint)
-    # Nodes (in networkx insertion order) and edges are collected first and added in bulk: one add_node/add_edge
-    # call per tensor use costs more than the rest of this function.
+    # collected first and added in bulk: one add_node/add_edge call per use would dominate this function
     nodes: list[tuple[int | str, dict]] = []
     edges: list[tuple[int | str, int | str]] = []
     tensors: dict[str, dict] = {}
@@ -211,7 +169,7 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
                     edges.append((p.name, i))
                 else:
                     add_tensor(p, input_start)
-            elif p.name not in tensors:  # a name already known is passed through, not allocated
+            elif p.name not in tensors:  # a known name is passed through, not allocated
                 add_tensor(p, i)
                 edges.append((i, p.name))
         if bsym.sym.is_fusion and not unpack:
@@ -237,15 +195,13 @@ def joint_graph(fw_trace: TraceCtx, bw_trace: TraceCtx | None) -> nx.DiGraph:
 
 
 def uses(graph: nx.DiGraph, names: Iterable[str]) -> tuple[int, ...]:
-    """Sorted steps that really use any of ``names`` (``del``, clears and returns excluded; unpacks included)."""
+    """Sorted steps that really use any of ``names`` (unpacks included)."""
     steps = {c for n in names for c in graph.successors(n) if not is_bookkeeping(graph.nodes[c]["bsym"])}
     return tuple(sorted(steps))
 
 
 def view_graph(graph: nx.DiGraph) -> nx.DiGraph:
-    """Tensor names, with an edge from each tensor to every tensor that views its storage directly: the outputs of
-    view ops and pass-through tokens, the outputs of fusion regions that view an input (``region_views``; outputs
-    sharing a buffer their region allocates are joined one to the other)."""
+    """Tensor names, with an edge from each tensor to every tensor viewing its storage directly."""
     views = nx.DiGraph()
     views.add_nodes_from(n for n in graph if isinstance(n, str))
     for i in (n for n in graph if isinstance(n, int)):
@@ -271,22 +227,17 @@ def storage_lives(
     nbytes_of: Callable[[Proxy], int] | None = None,
     graph: nx.DiGraph | None = None,
 ) -> dict[str, Life]:
-    """One ``Life`` per storage of the joint program, keyed by its name, in order of allocation.
-
-    ``nbytes_of(proxy)`` overrides a storage's size (it is asked about the representative proxy), e.g. for
-    TransformerEngine tensors whose proxies print bf16 but hold 1 byte per element. ``graph``: the
-    ``joint_graph(fw_trace, bw_trace)`` when the caller already has it (it is built here otherwise).
-    """
+    """One ``Life`` per storage, by name, in order of allocation; ``nbytes_of`` overrides a storage's size."""
     g = graph if graph is not None else joint_graph(fw_trace, bw_trace)
     nodes = g.nodes
-    order = {n: k for k, n in enumerate(g)}  # insertion order: order of first appearance
+    order = {n: k for k, n in enumerate(g)}  # order of first appearance
     last_use = last_uses(g)
     lives = []
     for group in alias_groups(g):
         members = sorted(group, key=lambda n: (nodes[n]["start"], order[n]))
         rep = nodes[members[0]]
         end = held_to(g, members, last_use)
-        if "storage_nbytes" in rep:  # a buffer a fusion region allocates, some of which its outputs view
+        if "storage_nbytes" in rep:  # a buffer a fusion region allocates and its outputs view
             nbytes = rep["storage_nbytes"]
         else:
             nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
@@ -296,8 +247,7 @@ def storage_lives(
 
 
 def last_uses(graph: nx.DiGraph) -> dict[str, int]:
-    """The last step that really uses each tensor (``max(uses(graph, [name]))``), for every tensor with a use, in one
-    pass over the steps."""
+    """The last step that really uses each tensor, for every tensor with a use."""
     nodes, last = graph.nodes, {}
     for i in graph:
         if type(i) is int and not is_bookkeeping(nodes[i]["bsym"]):
@@ -332,8 +282,7 @@ def life_spans(lives: Iterable[Life]) -> Iterable[tuple[int, int, int]]:
 
 
 def first_backward(phases: Iterable[str]) -> int:
-    """Index of the first ``"backward"`` among the phases of a program's steps (their number when there is none):
-    the one rule for the backward's start."""
+    """Index of the first ``"backward"`` phase, or their number: the one rule for the backward's start."""
     n = -1
     for n, phase in enumerate(phases):
         if phase == "backward":
@@ -355,12 +304,8 @@ def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
 def with_sharding(
     lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedStorages]
 ) -> dict[str, Life]:
-    """The lives after sharding: each group's storages end at ``shard_at``; ``"<group>.shard"``
-    (``shard_nbytes``) lives [shard_at, shard_until]; ``"<group>.gathered"`` (``gathered_nbytes``, the members of all
-    its storages, whose backward uses it serves) lives [gather_at, the last end of its storages]; ``"<group>.scratch"``
-    (``scratch_nbytes``, where not 0: the collective's own temporary) lives [gather_at, first_use]. Raises
-    ``ValueError`` for an order that the pass cannot produce.
-    """
+    """The lives after sharding: each group's storages end at ``shard_at``, then its shard, gathered buffer and scratch
+    live as the group says. Raises ``ValueError`` for an order the pass cannot produce."""
     out = dict(lives)
     for s in groups:
         members = [lives[n] for n in s.lives]
@@ -383,9 +328,8 @@ def with_sharding(
 
 @dataclass(frozen=True)
 class CompactedStorage:
-    """What compacting the saved views of one storage does (steps of the unmodified program): the storage ends at
-    ``compact_at`` (the last forward use of any tensor viewing it), and each saved view ``members[k]`` is a compact
-    copy of ``nbytes[k]`` bytes from ``compact_at`` to ``ends[k]`` (its last use, or that of a view of it)."""
+    """Compacting one storage: it ends at ``compact_at``; view ``members[k]`` becomes a copy of ``nbytes[k]`` bytes
+    until ``ends[k]``."""
 
     life: str
     members: tuple[str, ...]
@@ -395,8 +339,7 @@ class CompactedStorage:
 
 
 def with_compaction(lives: Mapping[str, Life], compactions: Iterable[CompactedStorage]) -> dict[str, Life]:
-    """The lives after compaction: each storage ends at ``compact_at``; ``"<life>.compact<k>"`` is the compact copy of
-    its ``k``-th saved view. Raises ``ValueError`` for a storage that does not outlive ``compact_at``."""
+    """The lives after compaction; ``"<life>.compact<k>"`` is the copy of its ``k``-th saved view."""
     out = dict(lives)
     for c in compactions:
         life = lives[c.life]

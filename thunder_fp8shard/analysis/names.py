@@ -1,5 +1,5 @@
-"""The names of Thunder's and TransformerEngine's operators the pass reads in a trace, in one place (Thunder 0.2.6's
-torch executor, TE's executor; a stateful TE operator's name is followed by its number, ``get_te_fp8_state_3``)."""
+"""The names of Thunder's and TransformerEngine's operators the pass reads in a trace (a stateful TE operator's name
+ends in its number, ``get_te_fp8_state_3``)."""
 
 ALL_GATHER = "torch_all_gather_prim_impl"
 WAIT = "torch_wait_prim_impl"

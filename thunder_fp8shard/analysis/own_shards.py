@@ -1,16 +1,6 @@
-"""Saved tensors whose shard already exists: a forward all-gather's output, over the shard group, of a forward input.
-
-Under Thunder FSDP (ZeRO-3 and ZeRO-2) the forward all-gathers each parameter's shard, and Thunder saves the
-gathered weight for backward (under activation checkpointing, for the recompute). With ``candidates="all"`` the pass
-shards it like any identical tensor: a shard op copies this rank's rows into a new shard, and the backward gathers
-them back. But this rank's rows of the gathered weight *are* its parameter shard, already in memory: where the
-all-gather ran over the shard group's ranks (in the same order), with no padding (the gathered bytes are exactly
-``k`` times the input's), and the input is not written in the forward, the parameter shard is the bucket's shard.
-The forward then copies nothing and keeps no new bytes, and the backward's all-gather of the parameter shard is the
-forward's all-gather again: the same bytes.
-
-:func:`own_shards` finds them, pure over the forward trace (the group's ranks are asked of ``torch.distributed``).
-"""
+"""Saved tensors whose shard already exists: under Thunder FSDP this rank's rows of a saved gathered weight *are* its
+parameter shard, when the gather ran over the shard group in order, unpadded, of an input the forward does not write.
+Sharding it copies nothing."""
 
 from __future__ import annotations
 
@@ -29,16 +19,14 @@ def group_ranks(group) -> tuple[int, ...] | None:
 
     try:
         return tuple(dist.get_process_group_ranks(group))
-    except Exception:  # noqa: BLE001  (not initialized, not a ProcessGroup, ...)
+    except Exception:  # noqa: BLE001 (not initialized, not a ProcessGroup, ...)
         return None
 
 
 def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorProxy], *, ranks: tuple[int, ...],
                group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
-    """Each candidate (by name) whose shard is a forward input, with that input: the candidate is the output of
-    ``wait(all_gather(input, group))`` with ``group`` over ``ranks`` (the shard group's, in its order), gathered
-    along dim 0, of exactly ``len(ranks)`` times the input's bytes, and the input is written by no bound symbol of
-    the forward. An input all-gathered into two candidates serves the first only (the saved list holds it once)."""
+    """Each candidate that is ``wait(all_gather(input))`` over ``ranks``, along dim 0, of exactly ``len(ranks)`` times
+    the input's bytes, with an unwritten input: the candidate -> that input (each input serves one candidate)."""
     wanted = set(candidates)
     by_name = {p.name: p for p in inputs}
     k = len(ranks)
@@ -64,8 +52,8 @@ def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorP
 
 
 def _written(fw: TraceCtx) -> set[str]:
-    """Names of the forward's tensors that a bound symbol may write in place: every tensor argument of a ``copy_``
-    (either order, Thunder's prim and torch's method differ), the first argument of any other in-place method."""
+    """Names of forward tensors a bound symbol may write in place: every tensor argument of a ``copy_`` (argument order
+    differs between Thunder and torch), the first argument of any other in-place method."""
     out = set()
     for b in fw.bound_symbols:
         name = b.sym.name

@@ -1,11 +1,5 @@
-"""The facts of one compiled program that the stages read: derived once, from the forward and backward traces, by
-:func:`program_facts` (pure), which :func:`thunder_fp8shard.pipeline.compile_plan` calls once and hands to every
-stage (the analysis, the memory model and its terms, the rewrite). Each fact has one rule: the saved tensors
-(:func:`~thunder_fp8shard.analysis.saved.forward_saved`), the forward's inputs and outputs, the backward's start
-(the first backward step of the joint timeline), the last step, the joint program's graph, steps and storage lives
-(:mod:`thunder_fp8shard.analysis.liveness`, TransformerEngine's quantized tensors counted at their payload), and the
-device it runs on.
-"""
+"""The facts of one compiled program the stages read, derived once by :func:`program_facts` so each fact has one
+rule."""
 
 from __future__ import annotations
 
@@ -26,21 +20,21 @@ from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, model
 
 @dataclass(frozen=True)
 class ProgramFacts:
-    """What the joint forward + backward program is, before anything is decided; plain data, never modified."""
+    """The joint forward + backward program before anything is decided; plain data, never modified."""
 
     forward: TraceCtx
     backward: TraceCtx
-    saved: tuple[TensorProxy, ...]  # the forward's saved tensors, in order (a name may repeat)
+    saved: tuple[TensorProxy, ...]  # in order; a name may repeat
     saved_other: tuple  # the forward's saved non-tensor values, in order
-    args: tuple[Proxy, ...]  # every proxy among the forward's arguments (args then kwargs, flattened), in order
+    args: tuple[Proxy, ...]  # args then kwargs, flattened
     outputs: tuple[Proxy, ...]  # the forward's output and flat_output tensors, each once
     model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
-    te_names: frozenset[str]  # TransformerEngine quantized tensors (their proxies print the high-precision dtype)
-    backward_start: int  # the first backward step of the joint timeline (the forward's bound symbols before it)
+    te_names: frozenset[str]  # their proxies print the high-precision dtype
+    backward_start: int  # the first backward step of the joint timeline
     steps: tuple[Step, ...]  # one a bound symbol: the forward's, then the backward's
     graph: nx.DiGraph  # liveness.joint_graph of the two traces
-    lives: dict[str, Life]  # the program's storages, TE quantized tensors at their payload (1 B an element)
-    device: str | None  # the CUDA device of the forward's inputs (program_device); None: the CPU
+    lives: dict[str, Life]  # TE quantized tensors at their payload
+    device: str | None  # of the forward's inputs; None: the CPU
 
     @property
     def last_step(self) -> int:
@@ -54,7 +48,7 @@ class ProgramFacts:
 
     @functools.cached_property
     def life_of(self) -> dict[str, Life]:
-        """Tensor name -> its storage's life (:func:`~thunder_fp8shard.analysis.liveness.storage_of`), made once."""
+        """Tensor name -> its storage's life."""
         return storage_of(self.lives)
 
     @property
@@ -62,7 +56,7 @@ class ProgramFacts:
         return frozenset(p.name for p in self.saved)
 
     def nbytes(self, p: TensorProxy) -> int:
-        """What ``p`` really occupies (:func:`~thunder_fp8shard.analysis.candidates.payload_nbytes`)."""
+        """What ``p`` really occupies."""
         return payload_nbytes(p, self.te_names)
 
 
@@ -75,9 +69,8 @@ def program_device(trace: TraceCtx) -> str | None:
 
 
 def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) -> ProgramFacts:
-    """The facts of the program ``fw`` + ``bw`` (Thunder's augmented forward and its backward). ``te_names``: the
-    forward's TransformerEngine quantized tensors where the caller read them while compiling (default:
-    :func:`~thunder_fp8shard.analysis.candidates.te_quantized_names` of ``fw``)."""
+    """The facts of ``fw`` + ``bw`` (Thunder's augmented forward and its backward); ``te_names``: if the caller has
+    them."""
     te = frozenset(te_quantized_names(fw) if te_names is None else te_names)
     saved, saved_other = forward_saved(fw)
     graph = joint_graph(fw, bw)

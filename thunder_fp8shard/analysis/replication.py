@@ -1,13 +1,8 @@
-"""Replication analysis: which proxies of a forward trace hold the same value on every rank of a process group.
-
-A pure function over the trace's data flow. A value is *replicated* when it is an all-gather over the group, or is
-produced by an operation this analysis understands to be deterministic from replicated inputs and constants only,
-with a shape those inputs set. Everything else is *per-rank*, with the reason traced back to its origin: the rank's
-own inputs and parameter shards, random numbers, operations whose results may differ bit-wise between runs,
-collectives over other groups, any operation the analysis does not understand, and shapes the program's constants
-set (a slice, a broadcast, a factory): ranks compile their own programs for their own input shapes, so such a
-tensor (``cos[:T]``, ``ones(T, T)``) is another tensor on a rank whose ``T`` differs.
-"""
+"""Which proxies of a forward trace hold the same value on every rank of a process group. A value is *replicated* when
+it is an all-gather over the group, or a known deterministic operation computes it from replicated inputs and constants
+with a shape those inputs set. Everything else is *per-rank*, with the reason: the rank's inputs, random numbers,
+non-deterministic or unknown operations, other groups' collectives, and shapes set by constants (ranks compile their own
+shapes, so ``cos[:T]`` differs where ``T`` does)."""
 
 from __future__ import annotations
 
@@ -31,10 +26,11 @@ _UNINITIALIZED_PRIMS = {PrimIDs.EMPTY}
 _ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, PrimIDs.EMBEDDING_BACKWARD}
 _OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
 
-_EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")  # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
+# torchex: torch_slice_prim_impl, torch_prims_reshape_impl
+_EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")
 _OTHER_COLLECTIVES = ("torch_all_reduce", "torch_reduce_scatter", "torch_broadcast", "torch_pack", "torch_unpack")
 SHAPED = "a shape the program's constants set"
-# operators whose output shape the program's constants can set (not their tensor inputs' shapes alone)
+# operators whose output shape the program's constants can set
 _SHAPING_PRIMS = {PrimIDs.FULL, PrimIDs.IOTA, PrimIDs.TENSOR_FROM_SEQUENCE, PrimIDs.BROADCAST_IN_DIM, PrimIDs.SLICE,
                   PrimIDs.UNFOLD, PrimIDs.TAKE, PrimIDs.TAKE_ALONG_AXIS, PrimIDs.GATHER, PrimIDs.PAD, PrimIDs.TOPK}
 _SHAPING_NAMES = {"split", "chunk", "tensor_split", "unbind", "getitem", "narrow", "select", "expand", "expand_as",
@@ -61,12 +57,8 @@ class Replication:
 def analyze_replication(
     trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset(), input_reasons: Mapping[str, str] | None = None
 ) -> Replication:
-    """Classifies every proxy of ``trace``; ``group`` is the process group the tensors would be sharded over.
-
-    The roots of replication are the all-gathers over ``group`` and the trace inputs named in ``replicated_inputs``
-    (e.g. the parameters under DDP, see :mod:`thunder_fp8shard.distributed.integrations`); every other input is per-rank, for the
-    reason ``input_reasons`` gives (the setup's words) or as the rank's own input.
-    """
+    """Classifies every proxy of ``trace``. The roots are the all-gathers over ``group`` and ``replicated_inputs``;
+    other inputs are per-rank, for the reason ``input_reasons`` gives."""
     input_reasons = input_reasons or {}
     replicated: set[str] = set()
     per_rank: dict[str, str] = {}
@@ -84,7 +76,7 @@ def analyze_replication(
 
     waited: set[str] = set()  # all-gathered parameters
     for bsym in trace.bound_symbols:
-        if not is_compute(bsym):  # not a real op: it makes no value
+        if not is_compute(bsym):  # it makes no value
             continue
         if bsym.sym.name == WAIT:
             waited.update(p.name for p in bsym.flat_proxy_outs)
@@ -111,7 +103,7 @@ def _verdicts(bsym: BoundSymbol, group, origin, waited: set[str]):
         out, qa, qw = bsym.output
         return [(out, _first_origin([a, w, bias], origin)), (qa, _first_origin([a], origin)),
                 (qw, _first_origin([w], origin))]
-    if name.startswith(TE_SCALE_UPDATE):  # passes its tokens through (it updates scales as a side effect)
+    if name.startswith(TE_SCALE_UPDATE):  # passes its tokens through, updating scales as a side effect
         tokens = bsym.kwargs.get("tokens", ())
         return [(o, origin(t)) for o, t in zip(bsym.output, tokens)]
     problem = _nondeterminism(bsym)
@@ -122,9 +114,8 @@ def _verdicts(bsym: BoundSymbol, group, origin, waited: set[str]):
 
 
 def _shaped_by_constants(bsym: BoundSymbol, out, waited: set[str]) -> str | None:
-    """None where ``out``'s shape follows from its tensor inputs' shapes (or it has none: a 0-dim tensor), else why
-    it may differ between compilations. Thunder FSDP's unpad slice of a gathered parameter keeps the parameter's
-    shape."""
+    """None where ``out``'s shape follows from its tensor inputs' shapes (or it is 0-dim), else why it may differ
+    between compilations. Thunder FSDP's unpad slice of a gathered parameter keeps the parameter's shape."""
     if not getattr(out, "shape", None):
         return None
     tensors = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
@@ -138,8 +129,8 @@ def _shaped_by_constants(bsym: BoundSymbol, out, waited: set[str]) -> str | None
 
 
 def _shaping(bsym: BoundSymbol) -> str | None:
-    """The operator that can set an output shape from constants, if any: ``bsym``, or one of the operators a fusion
-    region runs (a composite's own subsymbols take their shapes from its inputs)."""
+    """The operator that can set an output shape from constants: ``bsym``, or one a fusion region runs (a composite's
+    subsymbols take their shapes from its inputs)."""
     if _prim_id(bsym) in _SHAPING_PRIMS or bsym.sym.name.removeprefix("Tensor.") in _SHAPING_NAMES:
         return bsym.sym.name
     if bsym.sym.is_fusion:
@@ -181,8 +172,8 @@ def _prim_id(bsym: BoundSymbol) -> PrimIDs | None:
 
 
 def _first_origin(proxies, origin) -> str | None:
-    """Why the first per-rank argument is per-rank (None: every argument is replicated), preferring an argument
-    traced to the rank's own data over one whose shape the program's constants set."""
+    """Why the first per-rank argument is per-rank (None if all are replicated), preferring the rank's own data over a
+    shape the constants set."""
     whys = [why for p in _flat_proxies(proxies) if (why := origin(p)) is not None]
     if not whys:
         return None

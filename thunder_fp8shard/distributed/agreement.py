@@ -1,26 +1,6 @@
-"""The ranks' collectives at the model's first compilation: the plan's per-rank inputs agreed before planning, the
-ranks' layouts compared after, before any collective of the plan runs (later compilations agree nothing: they
-realize the agreed layout alone, :mod:`thunder_fp8shard.distributed.layout`).
-
-A plan is a pure function of the program, the options and the memory the step runs in besides the program
-(:mod:`thunder_fp8shard.memory.resident`). That memory can differ between ranks: what each rank's device allocator
-holds while compiling (:mod:`thunder_fp8shard.memory.device`), and ``resident_bytes``, ``loss_bytes`` or
-``optimizer_states`` where a user passes rank-dependent values; so can ``budget_bytes``. The grouping's headroom rule
-and the ``peak``/``budget`` policies turn such differences into different buckets, i.e. collectives of different
-sizes on different ranks: a gloo abort, over NCCL a hang or wrong bytes in the gradients.
-
-:func:`agree` therefore takes, in one all-reduce MAX over the ranks that agree (the setup's group, or the shard group
-where it is larger), each memory term's largest bytes over the ranks (every rank plans for the fullest device) and
-the smallest ``budget_bytes`` (the tightest target). :func:`differing` then all-gathers a SHA-256 digest of each
-rank's layout; the digests have a fixed size, so the comparison itself cannot mismatch. Where they differ (the ranks
-compiled their own shapes and planned differently) every rank sees it and gets every rank's layout, and the pipeline
-realizes rank 0's; where that fails, every rank raises the same error (:func:`mismatch_message`).
-
-They run their collectives through a :class:`Collectives` (torch.distributed's; injected into the transform,
-``ShardIntermediates.inject(collectives=...)``, where a test gives its own), on the device the group's backend
-needs: the current CUDA device for NCCL, the CPU otherwise (gloo, and torch's fake process group, whose collectives
-return at once without writing: the agreed values are then this rank's own, and every digest this rank's).
-"""
+"""The ranks' collectives at the model's first compilation. Plans depend on per-rank memory, and different plans mean
+mismatched collectives (a hang or wrong gradients), so :func:`agree` takes each term's largest bytes and the smallest
+budget in one all-reduce MAX, and :func:`differing` compares digests of the ranks' layouts."""
 
 from __future__ import annotations
 
@@ -33,8 +13,8 @@ import torch.distributed as dist
 
 from thunder_fp8shard.plan import AGREED, GIVEN, MEASURED, AgreedValue, MemoryTerm, ShardPlan
 
-ABSENT = -(1 << 62)  # a slot this rank does not fill: every MAX takes any other rank's value over it
-MAX_TERMS = 16  # every rank sends this many terms' slots, padded (see encode)
+ABSENT = -(1 << 62)  # a slot this rank does not fill: any other rank's value wins the MAX
+MAX_TERMS = 16  # every rank sends this many terms' slots, padded
 SHOWN = 3  # differing fields named per rank in the mismatch error
 
 
@@ -55,9 +35,7 @@ def collective_device(group) -> torch.device:
 
 
 class Collectives:
-    """The agreement's collectives over a process group, torch.distributed's: what :func:`agree`, :func:`largest` and
-    :func:`check` send and receive, and nothing else. A test injects its own (a subclass) to plant what the other
-    ranks say."""
+    """The agreement's collectives, torch.distributed's; tests inject a subclass."""
 
     def size(self, group) -> int:
         return dist.get_world_size(group)
@@ -66,16 +44,16 @@ class Collectives:
         return dist.get_process_group_ranks(group)
 
     def all_reduce_max(self, values: Sequence[int], group) -> list[int]:
-        """Each slot's largest value over the ranks (in place: a fake group leaves this rank's own)."""
+        """Each slot's largest value over the ranks (a fake group leaves this rank's own)."""
         reduced = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         return reduced.tolist()
 
     def all_gather_digests(self, digest: bytes, group) -> list[bytes]:
-        """Every rank's digest (all of one size), in rank order (a fake group leaves this rank's everywhere)."""
+        """Every rank's digest, in rank order (a fake group leaves this rank's everywhere)."""
         world_size = self.size(group)
         mine = torch.tensor(list(digest), dtype=torch.uint8, device=collective_device(group))
-        everyone = mine.repeat(world_size)  # what a fake group leaves in place: every rank's digest this rank's
+        everyone = mine.repeat(world_size)  # what a fake group leaves in place
         dist.all_gather_into_tensor(everyone, mine, group=group)
         return [bytes(d.tolist()) for d in everyone.view(world_size, -1).cpu()]
 
@@ -90,30 +68,22 @@ TORCH_COLLECTIVES = Collectives()
 
 def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group,
           comm: Collectives = TORCH_COLLECTIVES) -> Agreement:
-    """The terms and the budget every rank of ``group`` plans with (one all-reduce MAX of :func:`encode`'s vector;
-    see :func:`settle`). With one rank, or no group (compaction alone), there is nothing to agree."""
+    """The terms and budget every rank of ``group`` plans with (one all-reduce MAX; see :func:`settle`)."""
     if group is None or comm.size(group) < 2:
         return Agreement(tuple(terms), budget_bytes, ())
     return settle(terms, budget_bytes, comm.all_reduce_max(encode(terms, budget_bytes), group))
 
 
 def largest(value: int, group, comm: Collectives = TORCH_COLLECTIVES) -> int:
-    """The largest ``value`` over the ranks of ``group`` (one all-reduce MAX; ``value`` itself with one rank or no
-    group): the calibration's reading of the device peak, so that every rank decides alike."""
+    """The largest ``value`` over the ranks of ``group``, so that every rank decides alike."""
     if group is None or comm.size(group) < 2:
         return value
     return int(comm.all_reduce_max([value], group)[0])
 
 
 def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
-    """This rank's slots for the all-reduce MAX: for each term its bytes, its first step negated and its last step
-    (``0, ABSENT, ABSENT`` for a term without spans), padded with such empty slots to :data:`MAX_TERMS` terms, then
-    the budget negated (MAX of the negated values is the smallest).
-
-    Its length is ``3 * MAX_TERMS + 1`` on every rank. :func:`thunder_fp8shard.memory.resident.step_terms` gives the same
-    terms in the same order whatever was measured or given, but for the workspaces a rank could not force: one
-    unknown term each, last, and empty, so that another rank's padding stands where this rank has one, and the
-    all-reduce is matched whatever each rank's device did."""
+    """This rank's slots for the all-reduce MAX: per term its bytes, first step negated and last step, padded to
+    :data:`MAX_TERMS`, then the budget negated. Terms whose number can differ between ranks are last and empty."""
     if len(terms) > MAX_TERMS:
         raise ValueError(f"ShardIntermediates: {len(terms)} memory terms, more than the {MAX_TERMS} the agreement sends")
     slots = []
@@ -127,11 +97,8 @@ def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
 
 
 def settle(terms: Sequence[MemoryTerm], budget_bytes: int | None, reduced: Sequence[int]) -> Agreement:
-    """The agreement from the reduced slots (pure). A term of at most one span (resident at the call, persistent
-    workspaces, loss, optimizer state) becomes one span of the largest bytes over the steps any rank put it on;
-    where that is not this rank's own, its source becomes ``AGREED``. A term of several spans is modelled from the
-    program's steps alone, the same on every rank, and is kept (:func:`check` would catch it otherwise). The plan
-    lists the terms measured or given on this rank, those another rank raised, and the budget."""
+    """The agreement from the reduced slots: a term of at most one span becomes the largest bytes over any rank's steps
+    (``AGREED`` where not this rank's own)."""
     if len(reduced) != 3 * MAX_TERMS + 1 or len(terms) > MAX_TERMS:
         raise ValueError(f"ShardIntermediates: {len(reduced)} agreed slots for {len(terms)} memory terms")
     out, values = [], []
@@ -151,11 +118,7 @@ def settle(terms: Sequence[MemoryTerm], budget_bytes: int | None, reduced: Seque
 
 
 def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
-    """What defines the collectives a plan runs, as ``(field, value)`` pairs in a fixed order: world size, method,
-    ``verify`` (a digest all-gather per member at shard time), the process group, each shard op (bytes, where, which
-    buckets), each bucket (its part of the shard op, its members' bytes, the gathered bytes, where its all-gather is
-    issued and waited) and the order the all-gathers are issued in. Steps are the unmodified joint program's, the
-    same on every rank; tensor names are left out."""
+    """What defines the collectives a plan runs, as ``(field, value)`` pairs in a fixed order, without tensor names."""
     nbytes_of = {d.name: d.nbytes for d in plan.decisions}
     op_nbytes = plan.shard_op_nbytes
     fields = [("world size", str(plan.world_size)), ("shard group size", str(plan.k)), ("method", plan.method),
@@ -173,7 +136,7 @@ def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
                        f"{b.gather_at}, waited before step {b.first_use}" + (f", its shards {len(b.sources)} input(s)" if b.sources else "")))
     order = sorted(plan.buckets, key=lambda b: (b.gather_at, b.index))
     fields.append(("gather order", ", ".join(str(b.index) for b in order) or "-"))
-    # fp8_forward_gather: a weight gathered in FP8 on one rank and in bf16 on another would hang the forward
+    # a weight gathered in FP8 on one rank and in bf16 on another would hang the forward
     fields += [(f"forward gather {i}", f"{'x'.join(map(str, g.shape))} {'fp8' if g.fp8 else 'bf16'}")
                for i, g in enumerate(getattr(plan, "forward_gather", ()))]
     return fields
@@ -185,9 +148,7 @@ def digest(fields: Sequence[tuple[str, str]]) -> bytes:
 
 
 def differing(layout, group, comm: Collectives = TORCH_COLLECTIVES) -> list | None:
-    """None where every rank of ``group`` agreed the same ``layout`` (:class:`~thunder_fp8shard.distributed.layout.Layout`;
-    one all-gather of 32-byte digests), else every rank's layout, in rank order (one ``all_gather_object``: every
-    rank saw the same digests, so every rank makes it). With one rank there is nothing to compare."""
+    """None where every rank agreed the same ``layout`` (one all-gather of digests), else every rank's layout."""
     if group is None or comm.size(group) < 2:
         return None
     digests = comm.all_gather_digests(layout.digest, group)
@@ -197,8 +158,7 @@ def differing(layout, group, comm: Collectives = TORCH_COLLECTIVES) -> list | No
 
 
 def mismatch_message(described: Sequence[Sequence[tuple[str, str]]], ranks: Sequence[int]) -> str:
-    """The error every rank raises (pure: the same text from the same descriptions): for each rank whose plan differs
-    from the first rank's, the first fields that differ with both values."""
+    """The error every rank raises: for each rank whose plan differs from the first's, the first differing fields."""
     first = dict(described[0])
     parts = []
     for r, fields in zip(ranks[1:], described[1:]):

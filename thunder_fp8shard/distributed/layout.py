@@ -1,17 +1,7 @@
-"""The model's layout: what every program of one model runs collectively, agreed once and kept.
-
-Ranks compile their own programs: a short last batch or dynamic padding gives a rank a shape of its own at some
-step, and Thunder compiles it on that rank alone, whenever it first appears. So a compilation may run no collective
-that the other ranks are not running at that moment, and the collectives of a step must be the same whichever
-program each rank runs. The pass therefore agrees a :class:`Layout` while the ranks compile together (the model's
-first compilation, before any backward ran; again after a missed budget drops every program) and realizes it in
-every later compilation without a collective: the same tensors sharded (by their structural keys,
-:mod:`thunder_fp8shard.analysis.identity`), in the same buckets and shard ops, and Thunder FSDP's collectives in the
-same order. A later program proves that it runs the agreed collectives by its :func:`signature`, the sequence of
-every collective it issues (Thunder's, TransformerEngine's amax all-reduces, the pass's) with their sizes and groups;
-a program that cannot (its structure differs, a member is missing) raises on the rank that compiled it, before any
-of its collectives runs.
-"""
+"""The model's layout: what every program of one model runs collectively. A rank may compile a program alone (a short
+last batch), so every later compilation realizes the layout the ranks agreed at the first, without a collective: the
+same tensors by structural key, in the same buckets. A program proves it by its :func:`signature`, every collective it
+issues; one that cannot raises before any of them runs."""
 
 from __future__ import annotations
 
@@ -32,9 +22,8 @@ PASS_COLLECTIVES = ("fp8shard_shard", "fp8shard_gather_start", "fp8shard_gather_
 
 @dataclass(frozen=True)
 class Layout:
-    """What every program of a model runs collectively: the sharded tensors by key, in buckets (in order of first
-    backward use) and shard ops, whether Thunder FSDP's collectives are rescheduled, and the collectives a program
-    issues (``signature``)."""
+    """What every program of a model runs collectively: sharded tensors by key, buckets, shard ops, and its
+    collectives."""
 
     buckets: tuple[tuple[str, ...], ...] = ()
     shard_ops: tuple[int, ...] = ()
@@ -73,7 +62,7 @@ def _arg(x) -> str:
 def describe(bsym) -> str | None:
     """One collective operator call as the same text on every rank (None: ``bsym`` runs no collective)."""
     name = bsym.sym.name
-    if name.startswith(TE_SCALE_UPDATE):  # all-reduces each state's amax history (reduce_amax)
+    if name.startswith(TE_SCALE_UPDATE):  # all-reduces each state's amax history
         return f"{TE_SCALE_UPDATE}({len(bsym.kwargs.get('states', ()))} states)"
     if name not in COLLECTIVES and name not in PASS_COLLECTIVES:
         return None
@@ -101,9 +90,7 @@ def first_difference(mine: tuple[str, ...], agreed: tuple[str, ...]) -> str:
 
 @dataclass
 class Layouts:
-    """A transform's agreed layouts, by program key (:func:`~thunder_fp8shard.analysis.identity.program_key`), and
-    whether the ranks compile together now (``open``: until the first backward runs, and after a missed budget
-    drops every program)."""
+    """A transform's agreed layouts by program key; ``open`` while the ranks compile together."""
 
     open: bool = True
     by_program: dict[str, Layout] = field(default_factory=dict)

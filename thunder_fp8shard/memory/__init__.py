@@ -1,2 +1,2 @@
-"""The memory model the planner weighs every choice on: the joint program's storages and steps, the terms of the step
-besides the program, and what the device's allocator said while compiling."""
+"""The memory model the planner weighs every choice on: the program's storages, the step's other terms, and what the
+device's allocator said while compiling."""

@@ -1,12 +1,5 @@
-"""The memory model: the unmodified joint program's storages and steps, where every candidate sits on them, the
-storages saved views could be compacted out of, and the memory the step runs in besides the program. Plain data,
-built once per compilation by :func:`memory_model`, and the one evaluator of choices: the planner
-(:mod:`thunder_fp8shard.planning.planner`) and the grouping (:mod:`thunder_fp8shard.planning.grouping`) ask it what a set of buckets
-and compactions makes of the live bytes (:meth:`MemoryModel.change`, on the storages they touch alone) and what the
-device holds at each step (:meth:`MemoryModel.live_bytes`, :meth:`MemoryModel.evaluate`: the program's storages of
-:mod:`thunder_fp8shard.analysis.liveness` plus the terms of :mod:`thunder_fp8shard.memory.resident`, so that peaks and budgets are
-device bytes). Nothing here rewrites a trace.
-"""
+"""The memory model: the program's storages and steps, each candidate's place on them, the compaction options and the
+step's other memory; the one evaluator of choices."""
 
 from __future__ import annotations
 
@@ -32,28 +25,25 @@ from thunder_fp8shard.memory.resident import step_terms, term_lives
 class Placement:
     """Where a candidate sits on the joint timeline (step indices of the unmodified program)."""
 
-    life: str  # name of its storage's Life
+    life: str  # its storage's Life
     shard_at: int  # its last forward use: the shard replaces it right after
     first_use: int  # its first backward consumer: the wait goes right before
 
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """The unmodified joint program's storages, steps and the placement of every candidate, and the memory the
-    step runs in besides the program (``terms``)."""
+    """The unmodified program's storages, steps and candidate placements, and the step's other memory."""
 
     lives: dict[str, Life]
     steps: tuple[Step, ...]
-    placements: dict[str, Placement]  # by candidate name; missing when a candidate is never used in backward
-    compute: tuple[bool, ...]  # per step: False for bookkeeping (del, clears, unpacks, return)
+    placements: dict[str, Placement]  # missing for a candidate never used in backward
+    compute: tuple[bool, ...]  # per step: False for bookkeeping
     terms: tuple[MemoryTerm, ...] = ()
-    compactions: tuple[Compaction, ...] = ()  # the storages saved views could be compacted out of (none taken)
-    # the shard group's all-gather holds a temporary of its whole output while in flight (gloo on the CPU: measured,
-    # tests/test_property.py); counted from each gather's issue to its wait
+    compactions: tuple[Compaction, ...] = ()  # none taken
+    # the all-gather holds a temporary of its whole output from issue to wait (gloo on the CPU)
     gather_scratch: bool = False
-    # what the pass's forward rewrite changes in the program's own storages whatever is sharded, as ``(first step,
-    # last step, bytes)`` spans: each weight all-gathered in FP8 holds its 1 B/element buffers where Thunder's trace
-    # holds the bf16 gather (negative bytes); counted in every evaluation but the program as Thunder made it
+    # ``(first, last, bytes)`` spans the forward rewrite changes whatever is sharded; left out of the run without the
+    # pass
     rewritten: tuple[tuple[int, int, int], ...] = ()
 
     def compute_steps_between(self, first: int, last: int) -> int:
@@ -64,36 +54,32 @@ class MemoryModel:
 
     @functools.cached_property
     def life_of(self) -> dict[str, Life]:
-        """Tensor name -> its storage's life, made once a model."""
+        """Tensor name -> its storage's life."""
         return storage_of(self.lives)
 
     @functools.cached_property
     def _compute_before(self) -> np.ndarray:
-        """Compute steps before each step (a prefix sum; the planner asks for many intervals)."""
+        """Compute steps before each step: a prefix sum, as the planner asks for many intervals."""
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
     def evaluate(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
                  terms: bool = True, rewritten: bool = True) -> Timeline:
-        """The predicted device timeline when ``buckets`` (from :func:`thunder_fp8shard.planning.grouping.group`) are sharded
-        and ``compactions`` made (``terms=False``: the program's own tensors only; ``rewritten=False``: the program as
-        Thunder made it, without the pass's forward rewrite: the run without the pass)."""
+        """The predicted device timeline with ``buckets`` sharded and ``compactions`` made (``rewritten=False``: without
+        the pass)."""
         live = self.live_bytes(buckets, compactions, terms=terms, rewritten=rewritten)
         return Timeline(self.steps, tuple(live.tolist()), backward_start(self.steps))
 
     def live_bytes(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
                    terms: bool = True, rewritten: bool = True) -> np.ndarray:
-        """Bytes live at each step when ``buckets`` are sharded and ``compactions`` made (``terms``: with the memory
-        the step runs in besides the program; ``rewritten``: with what the pass's forward rewrite changes)."""
+        """Bytes live at each step with ``buckets`` sharded and ``compactions`` made."""
         live = self._program_bytes + self.change(buckets, compactions)
         if rewritten and self.rewritten:
             live = live + self._rewritten_bytes
         return live + self._term_bytes if terms else live
 
     def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
-        """What sharding ``buckets`` and making ``compactions`` changes in the live bytes at each step, worked out on
-        the storages they touch alone (:func:`~thunder_fp8shard.analysis.liveness.with_sharding`,
-        :func:`~thunder_fp8shard.analysis.liveness.with_compaction`). Raises ``ValueError`` for a bucket the rewrite cannot
-        build."""
+        """What ``buckets`` and ``compactions`` change in the live bytes at each step, on the storages they touch
+        alone."""
         if not buckets and not compactions:
             return np.zeros(len(self.steps), dtype=np.int64)
         groups = [self.sharded_storages(b) for b in buckets]
@@ -116,15 +102,15 @@ class MemoryModel:
         return span_bytes(life_spans(term_lives(list(self.terms)).values()), len(self.steps))
 
     def sharded_storages(self, b: Bucket) -> ShardedStorages:
-        """What sharding bucket ``b`` does to its storages, for :func:`~thunder_fp8shard.analysis.liveness.with_sharding`."""
+        """What sharding bucket ``b`` does to its storages."""
         lives = tuple(dict.fromkeys(self.placements[n].life for n in b.members))
-        kept = 0 if b.sources else b.shard_nbytes  # forward inputs' bytes, held by the caller anyway
+        kept = 0 if b.sources else b.shard_nbytes  # forward inputs, held by the caller anyway
         return ShardedStorages(f"bucket{b.index}", lives, kept, b.gathered_nbytes, b.shard_at, b.gather_at,
                                b.first_use, b.shard_until, b.gathered_nbytes if self.gather_scratch else 0)
 
     @property
     def backward_body_start(self) -> int:
-        """First compute step of the backward: the rewrite issues the earliest gathers right before it."""
+        """First compute step of the backward: the earliest gathers are issued right before it."""
         return next((i for i in range(backward_start(self.steps), len(self.steps)) if self.compute[i]),
                     len(self.steps) - 1)
 
@@ -133,13 +119,8 @@ def memory_model(
     facts: ProgramFacts, candidates: list[Candidate], *, options: ShardOptions | None = None, device=None,
     gather_scratch: bool = False, resized: Mapping[str, int] | None = None,
 ) -> MemoryModel:
-    """Takes the joint program's storages and steps (``facts``:
-    :func:`~thunder_fp8shard.analysis.program.program_facts`), places every candidate on them, and adds the memory
-    the step runs in (:func:`thunder_fp8shard.memory.resident.step_terms`; ``device``: the :class:`DeviceMemory` read while
-    compiling, None on the CPU). Without ``options`` the model is the program's alone. ``gather_scratch``: the
-    shard group's all-gathers hold a temporary of their output while in flight (:func:`gathers_hold_scratch`).
-    ``resized``: storages the pass's forward rewrite makes another size, by the name of a proxy of theirs (the
-    weights all-gathered in FP8: :meth:`~thunder_fp8shard.rewrite.fp8_gather.ForwardGatherPlan.buffer_nbytes`)."""
+    """Places every candidate on the program's storages and adds the step's other memory (without ``options``, the
+    program's alone). ``resized``: storages the forward rewrite resizes."""
     graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
     life_of = facts.life_of
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
@@ -151,7 +132,7 @@ def memory_model(
         if backward_uses:
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
-    # the caller holds the forward's inputs and outputs anyway; TransformerEngine's tensors are not plain tensors
+    # the caller holds its inputs and outputs; TE tensors are not plain tensors
     excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
     compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded, life_of))
     rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
@@ -169,11 +150,8 @@ def _resized_lives(lives: Mapping[str, Life], resized: Mapping[str, int]) -> lis
 
 
 def gathers_hold_scratch(group, device: str | None) -> bool:
-    """Whether an all-gather over ``group`` of a program on ``device`` (None: the CPU; e.g. ``"cuda:0"``) holds a
-    temporary of its whole output in the program's memory while in flight: gloo's ``all_gather_into_tensor`` of CPU
-    tensors does (it gathers into a buffer of its own, then copies into the output; measured on the CPU with the
-    profiler's allocation events: a 16 MiB all-gather peaked at 32 MiB); of CUDA tensors its buffers are host
-    memory, not the device's; NCCL's and the fake group's hold none."""
+    """Whether an all-gather over ``group`` holds a temporary of its whole output in the program's memory: gloo's on CPU
+    tensors does, NCCL and the fake group do not."""
     import torch.distributed as dist
 
     try:
@@ -183,5 +161,5 @@ def gathers_hold_scratch(group, device: str | None) -> bool:
 
 
 def compacted_storage(c: Compaction) -> CompactedStorage:
-    """What compaction ``c`` does to its storage, for :func:`~thunder_fp8shard.analysis.liveness.with_compaction`."""
+    """What compaction ``c`` does to its storage."""
     return CompactedStorage(c.storage, c.members, c.member_nbytes, c.compact_at, c.ends)

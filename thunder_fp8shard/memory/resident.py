@@ -1,41 +1,9 @@
-"""The memory a training step runs in besides the jitted program's own tensors: terms on the joint timeline.
-
-:mod:`thunder_fp8shard.analysis.liveness` counts what the joint forward+backward program allocates and takes; the device
-holds more while it runs. Each term here is a :class:`~thunder_fp8shard.plan.MemoryTerm` (plain data: bytes on
-spans of steps, and whether they were measured, modelled or given), built by a pure function of the traces, the
-program's storage lives, the options and what :mod:`thunder_fp8shard.memory.device` read from the device during
-compilation. The terms, in order:
-
-- **resident at the call** (measured; ``resident_bytes``: given): device bytes allocated when the first call
-  compiles, less the program's own tensor inputs on that device (the program counts those); every step. It holds
-  whatever lives then (optimizer state and gradients once the optimizer has stepped, other models). On the CPU
-  nothing tracks allocations: not counted.
-- **inputs held by the caller** (modelled): the forward's tensor inputs (parameter shards, the batch) from the
-  program's last use of each to the end of the backward: the module and the caller keep them.
-- **outputs held by the caller** (modelled): the forward's outputs from the end of the forward to the end of the
-  backward: the caller's reference, from which the loss is computed.
-- **loss** (modelled; ``loss_bytes``: given): computed outside the program between forward and backward, put on
-  the first backward step; rule: 2 x the bytes of the forward's floating-point outputs (cross-entropy: the saved
-  log-softmax and the gradient being computed from it; the gradient handed to the backward is the program's).
-- **optimizer state** (modelled; ``optimizer_states=0``: given): ``optimizer_states`` x the bytes of the gradients
-  the backward returns (each state the size of its parameter's local shard, as AdamW's two), every step. None (the
-  default): **unknown**, left out of the predicted peak, and the plan's headline says so and what Adam/AdamW would
-  add. The pass cannot find it: the optimizer is the caller's object, holds no trace the pass sees, and creates its
-  state at its first step, after the first call compiled (a later compilation's resident measurement holds it).
-- **persistent workspaces** (measured): what the device allocator gained when the pass forced the workspaces of
-  the program's kernels into existence while compiling (cuBLAS, on the calling and the autograd threads;
-  TransformerEngine's GEMM workspace when the program has TE ops); every step. On the CPU: none. A workspace that
-  could not be forced is its own term, **unknown** (``<kind> workspace``), with the reason.
-- **kernel workspaces** (modelled): transient scratch of known kernels at their own step: the sdpa backward
-  (flash, memory-efficient, cuDNN) keeps an fp32 accumulator the size of its output gradient.
-
-The terms are this rank's own. The pass agrees them across the ranks before planning (each term's largest value,
-:mod:`thunder_fp8shard.distributed.agreement`): measured and given terms can differ between ranks, the plan may not.
-
-Gradients are the program's: the backward returns them (from their reduce-scatter to its end), and after it they
-live in ``.grad`` until ``zero_grad``, outside the program; if they are kept between steps, the resident
-measurement of a later compilation sees them, or ``resident_bytes`` says so.
-"""
+"""The memory a training step runs in besides the program's own tensors: terms on the joint timeline, each measured,
+modelled or given: resident at the call (allocated at compilation, less the program's inputs), inputs and outputs held
+by the caller, the loss (2 x the forward's floating-point outputs), optimizer state (``optimizer_states`` x the
+gradients; unknown by default, since the optimizer is the caller's and creates it after the first compilation),
+persistent workspaces (:mod:`thunder_fp8shard.memory.device`) and the sdpa backward's fp32 accumulator. The ranks agree
+each term's largest value before planning."""
 
 from __future__ import annotations
 
@@ -57,19 +25,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from thunder_fp8shard.memory.device import DeviceMemory
     from thunder_fp8shard.options import ShardOptions
 
-# symbols whose kernel keeps an fp32 accumulator of its first tensor argument's shape (the output gradient)
+# symbols whose kernel keeps an fp32 accumulator the shape of their first tensor argument (the output gradient)
 SDPA_BACKWARD = (
     "sdpaex_scaled_dot_product_efficient_attention_backward",
     "sdpafx_scaled_dot_product_efficient_attention_backward",
     "cudnn_sdpa_bwd",
 )
-LOSS_COPIES = 2  # the loss rule: this many copies of the forward's floating-point outputs
+LOSS_COPIES = 2  # the loss rule: copies of the forward's floating-point outputs
 
 
 def step_terms(facts: ProgramFacts, options: ShardOptions, device: DeviceMemory | None) -> list[MemoryTerm]:
-    """The terms of the step besides the program (see the module's docstring), for the program ``facts`` describes
-    (:func:`~thunder_fp8shard.analysis.program.program_facts`: its storages, steps, inputs and outputs); ``device``
-    is what was read from the device while compiling (None on the CPU)."""
+    """The step's terms besides the program ``facts`` describes; ``device``: what was read while compiling (None on the
+    CPU)."""
     bw_start, last = facts.backward_start, facts.last_step
     life_of = facts.life_of
     inputs, outputs = list(facts.inputs), list(facts.outputs)
@@ -87,8 +54,8 @@ def step_terms(facts: ProgramFacts, options: ShardOptions, device: DeviceMemory 
         optimizer_state(grads, options.optimizer_states, last),
         persistent_workspaces(device, last),
         kernel_workspaces(facts.backward, bw_start),
-        # last: the only terms whose number can differ between ranks (a workspace one rank could not force), and
-        # empty (unknown size, no steps): the agreement pads every rank's list to one length after them
+        # last: the only terms whose number can differ between ranks; empty, so the agreement pads every rank's list
+        # after them
         *workspaces_not_forced(device),
     ]
 
@@ -149,8 +116,8 @@ def persistent_workspaces(device: DeviceMemory | None, last: int) -> MemoryTerm:
 
 
 def workspaces_not_forced(device: DeviceMemory | None) -> list[MemoryTerm]:
-    """One unknown term per workspace the pass could not force into existence: it exists at run time, its bytes are
-    not in the predicted peak."""
+    """One unknown term per workspace the pass could not force: it exists at run time but is not in the predicted
+    peak."""
     if device is None:
         return []
     return [MemoryTerm(f"{kind} workspace", UNKNOWN, f"could not be forced at compilation ({why})")
@@ -168,7 +135,7 @@ def kernel_workspaces(bw: TraceCtx, bw_start: int) -> MemoryTerm:
 
 
 def _returned_gradients(bw: TraceCtx) -> list[TensorProxy]:
-    """The tensors the backward returns (one gradient per differentiable forward input), each once."""
+    """The tensors the backward returns, each once."""
     ret = bw.bound_symbols[-1] if bw.bound_symbols else None
     if ret is None or ret.sym.id != PrimIDs.RETURN:
         return []

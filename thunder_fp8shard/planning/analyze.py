@@ -1,9 +1,5 @@
-"""What a compilation's traces say before anything is agreed across the ranks or chosen: the candidates (with their
-payload sizes), the memory model of the joint program (with the compaction options and the memory the step runs
-in), the replication verdicts over the setup's group, the saved tensors and the forward's inputs and outputs. One
-pure function, :func:`analyze`, over the program's facts (:mod:`thunder_fp8shard.analysis.program`), the options, the
-setup and what the device said while compiling.
-"""
+"""What a compilation's traces say before anything is agreed or chosen: candidates, the memory model, the replication
+verdicts and the saved tensors, gathered by one pure function, :func:`analyze`."""
 
 from __future__ import annotations
 
@@ -24,13 +20,13 @@ from thunder_fp8shard.plan import MemoryTerm
 
 @dataclass(frozen=True)
 class Analysis:
-    candidates: tuple[Candidate, ...]  # none without a distributed setup (compaction alone)
+    candidates: tuple[Candidate, ...]  # none without a distributed setup
     model: MemoryModel
-    replication: Replication | None  # over the setup's whole group; None without a distributed setup
+    replication: Replication | None  # over the setup's whole group
     saved_names: frozenset[str]
-    model_io: frozenset[str]  # the forward's inputs and outputs: the caller keeps them alive
-    saved_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # saved tensors' bytes by dtype
-    # candidates whose shard is a forward input (analysis.own_shards), by name: the input's name
+    model_io: frozenset[str]  # the caller keeps them alive
+    saved_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)  # by dtype
+    # candidate -> the forward input that is its shard (analysis.own_shards)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def with_terms(self, terms: Sequence[MemoryTerm]) -> Analysis:
@@ -41,14 +37,9 @@ class Analysis:
 def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_terms: Sequence[MemoryTerm] = (),
             replication_analysis=analyze_replication, resized: Mapping[str, int] | None = None,
             shard_ranks: tuple[int, ...] = ()) -> Analysis:
-    """The analysis of the program ``facts`` describes (:func:`~thunder_fp8shard.analysis.program.program_facts`).
-    ``setup``: the distributed setup (:class:`~thunder_fp8shard.distributed.integrations.Integration`; None:
-    compaction alone); ``device``: the :class:`~thunder_fp8shard.memory.device.DeviceMemory` read while compiling
-    (None on the CPU); ``extra_terms``: memory terms measured at run time before (the calibration's error after a
-    missed budget); ``replication_analysis``: :func:`~thunder_fp8shard.analysis.replication.analyze_replication` (a
-    test injects another, see :class:`thunder_fp8shard.pipeline.Seams`); ``resized``: storages the pass's forward
-    rewrite makes another size (:func:`~thunder_fp8shard.memory.model.memory_model`); ``shard_ranks``: the shard
-    group's global ranks in its order (:func:`~thunder_fp8shard.analysis.own_shards.own_shards`)."""
+    """The analysis of ``facts``. ``setup``: None for compaction alone; ``device``: read while compiling (None on the
+    CPU); ``extra_terms``: measured at run time; ``resized``: storages the forward rewrite resizes; ``shard_ranks``: the
+    shard group in order."""
     auto = options.candidates == "auto"
     candidates = find_candidates(facts.saved, "all" if auto else options.candidates, facts.te_names) if (
         setup is not None) else []
@@ -57,8 +48,9 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup, device, extra_ter
         inputs = [p for p in facts.inputs if p.name not in facts.saved_names]  # one saved, counted once
         names = [c.name for c in candidates]
         sources = {n: p.name for n, p in own_shards(facts.forward, names, inputs, ranks=shard_ranks).items()}
-    if auto:  # FP8 copies, and the tensors whose shards are inputs already (nothing copied), where that is worth it
-        # and the setup does not keep them gathered on purpose (ZeRO-2)
+    # FP8 copies, plus tensors whose shards are inputs already where worth it, unless the setup keeps them gathered on
+    # purpose (ZeRO-2)
+    if auto:
         inputs_too = setup is not None and not setup.keeps_gathered
         candidates = [c for c in candidates if c.kind != TENSOR or (inputs_too and c.name in sources and
                                                                      c.payload_bytes >= AUTO_INPUT_SHARD_MIN_BYTES)]

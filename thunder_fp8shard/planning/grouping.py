@@ -1,22 +1,7 @@
-"""Which sharded tensors travel together: buckets (one all-gather each) and shard ops (one each in forward, keeping
-the shards of one or more consecutive buckets in one tensor). Pure functions over plain data.
-
-Fewer, larger collectives and shard ops cost the CPU less (a training step that is CPU-bound pays for every
-operator), but a bucket is gathered whole, and a shard op runs only after the last forward use of all its members:
-larger groups hold more bytes at once. So groups grow only where that is free: tensors are taken in order of first
-backward use, starting one a bucket and one bucket a shard op; each next one joins the current group when the
-group stays within ``bucket_bytes``, the shard still has compute to hide behind before its all-gather, and the
-memory model predicts that wherever the grouping holds more bytes than one tensor a bucket would, the step stays
-at least :data:`HEADROOM` below the predicted peak. The margin is the model's accuracy on the device (a merge that
-looks free right under the predicted peak may not be; benchmarks/README.md has what a rule without it gave up). Near the backward's peak,
-at its start, the buckets stay small; further on, where activations have been freed, they grow to whole layers.
-
-``place`` turns a grouping into :class:`~thunder_fp8shard.plan.Bucket`\\ s, as the rewrite will build them.
-``place_compactions`` says which call makes each compaction's copies: a compaction is moved later, to the step of
-the first shard op at or after its own, and made by that op's call, or else batched with the next compactions into
-one call at the last one's step, each only where the memory model predicts that the peak does not rise (the forward
-is usually far below it).
-"""
+"""Which sharded tensors travel together: buckets (one all-gather each) and shard ops (one forward op keeping the shards
+of consecutive buckets). Larger groups cost the CPU less but hold more bytes at once, so, in order of first backward
+use, a tensor joins the current group only within ``bucket_bytes``, with compute left to hide the gather, and where the
+model predicts any extra bytes stay :data:`HEADROOM` below the peak."""
 
 from __future__ import annotations
 
@@ -34,24 +19,16 @@ HEADROOM = 0.05  # a merge may add bytes only where the model predicts this frac
 
 
 def prefetched_by(j: int, prefetch: int) -> int | None:
-    """The bucket at whose first backward use bucket ``j``'s all-gather is issued: the one ``prefetch`` places
-    earlier, or None where there is none (the all-gather is issued at the start of the backward body). The one rule
-    for it: the plan's steps (:func:`place`) and the rewrite's anchors
-    (:func:`thunder_fp8shard.rewrite.traces.requests`) both follow it."""
+    """The bucket at whose first backward use bucket ``j``'s all-gather is issued (None: the backward's start); the one
+    rule for plan and rewrite."""
     return j - prefetch if j >= prefetch else None
 
 
 def place(
     buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
 ) -> list[Bucket]:
-    """The :class:`Bucket`\\ s of a grouping: ``buckets`` lists the members of each bucket, buckets in order of first
-    backward use; ``ops[j]`` is the shard op of bucket ``j`` (non-decreasing, consecutive buckets share an op).
-
-    A bucket is gathered before the first backward use of any member; its all-gather is issued at the first use of
-    the bucket ``prefetch`` places earlier (or at the start of the backward body: :func:`prefetched_by`). A shard op runs after the last forward
-    use of any member of its buckets; its output is their shards packed one after the other
-    (:func:`~thunder_fp8shard.planning.layout.packed_offsets`), and it is held until the wait of its last bucket.
-    """
+    """The :class:`Bucket`\\ s of a grouping (``buckets``: members, in order of first backward use; ``ops[j]``: bucket
+    ``j``'s shard op). A shard op runs after its members' last forward use and is held until its last bucket's wait."""
     placements = model.placements
     first_uses = [placements[b[0].name].first_use for b in buckets]
     layouts = [_layout(b, k) for b in buckets]
@@ -84,9 +61,7 @@ class _Sizes(NamedTuple):
 
 
 def _layout(bucket: Sequence[Decision], k: int) -> _Sizes:
-    """A bucket's bytes a rank and gathered: a shard op's layout (members packed, split in ``k``), or, where every
-    member's shard is a forward input, the coalesced all-gather's (each member's gathered bytes apart; the rank's
-    inputs are its shards)."""
+    """A bucket's bytes per rank and gathered (coalesced where every member's shard is a forward input)."""
     if all(d.shard_source for d in bucket):
         return _Sizes(sum(d.nbytes // k for d in bucket), sources_layout([d.nbytes for d in bucket]).nbytes)
     lay = bucket_layout([d.nbytes for d in bucket], k)
@@ -97,21 +72,19 @@ def group(
     chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
     compactions: Sequence[Compaction] = (),
 ) -> list[Bucket]:
-    """Buckets and shard ops for the chosen tensors (see the module's docstring), on the model with ``compactions``
-    made; ``bucket_bytes=0`` gives one tensor a bucket and one bucket a shard op."""
+    """Buckets and shard ops for the chosen tensors; ``bucket_bytes=0``: one tensor a bucket, one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]
     build = lambda bs, ops: place(bs, ops, model, prefetch=prefetch, k=k)  # noqa: E731
     if bucket_bytes == 0 or len(order) < 2:
         return build(singles, range(len(singles)))
-    base = model.live_bytes(compactions=compactions)  # the step with the compactions made and nothing sharded
+    base = model.live_bytes(compactions=compactions)  # the compactions made, nothing sharded
     live_bytes = lambda trial: base + model.change(trial)  # noqa: E731
     reference = live_bytes(build(singles, range(len(singles))))
     ceiling = (1 - HEADROOM) * reference.max()
     fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
 
-    # buckets: one all-gather each; tensors whose shards are forward inputs (Decision.shard_source) travel apart from
-    # those a shard op keeps (one coalesced all-gather of the inputs), and are shard ops of their own
+    # tensors whose shards are forward inputs travel apart (one coalesced all-gather) and are shard ops of their own
     mixed = lambda run: len({bool(d.shard_source) for d in run}) > 1  # noqa: E731
     own = lambda run: len(run) > 1 and any(d.shard_source for d in run)  # noqa: E731
     buckets = _grow(
@@ -130,8 +103,7 @@ def group(
 
 
 def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:
-    """Greedy left-to-right grouping of ``items`` into runs: an item joins the current run when the run stays
-    ``small_enough`` and ``ok(parts)`` accepts the whole grouping with the rest left alone."""
+    """Greedy left-to-right runs: an item joins while the run is ``small_enough`` and ``ok`` accepts the grouping."""
     done: list[list[list]] = []
     current = [items[0]]
     for k in range(1, len(items)):
@@ -158,16 +130,12 @@ def _idle_everywhere(buckets: list[Bucket], model: MemoryModel) -> bool:
 
 def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucket], model: MemoryModel
                       ) -> list[Compaction]:
-    """``compactions`` (taken or not) with the call that makes each taken one's copies: moved to the step of the first
-    shard op of ``buckets`` at or after its own and made by that op (``shard_op``), or else batched with the next
-    compactions made alone into one call at the last one's step; each move only where the predicted peak (the
-    buckets sharded, the compactions made) does not rise. A moved compaction keeps its bytes; ``moved_from`` is its
-    own step."""
+    """``compactions`` with the call making each taken one's copies: the first shard op at or after its step, else one
+    call with the next lone compactions, wherever the predicted peak does not rise."""
     taken = {c.storage: c for c in compactions if c.compacted}
     if not taken:
         return list(compactions)
-    # a taken compaction's storage holds no sharded tensor (planner: "its storage is sharded instead"), and each
-    # compaction touches its own storage alone: the changes add up, so each is worked out once a placement
+    # each compaction touches its own storage alone, so the changes add up
     sharded = model.live_bytes(buckets)
     changes: dict[tuple[str, int], np.ndarray] = {}
 
@@ -188,7 +156,7 @@ def place_compactions(compactions: Sequence[Compaction], buckets: Sequence[Bucke
     def moved(c: Compaction, step: int, op: int | None) -> Compaction:
         return replace(c, compact_at=step, shard_op=op, moved_from=c.compact_at if step != c.compact_at else None)
 
-    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets if not b.sources})  # a sources' bucket: no call
+    anchors = sorted({(b.shard_at, b.shard_op) for b in buckets if not b.sources})  # a sources' bucket has no call
     for c in sorted(taken.values(), key=lambda c: c.compact_at):
         op = next(((step, k) for step, k in anchors if step >= c.compact_at), None)
         if op is not None and peak_holds(trial := {**taken, c.storage: moved(c, *op)}):

@@ -1,19 +1,13 @@
-"""Byte layout of a bucket: several saved tensors sharded and all-gathered as one flat ``uint8`` buffer.
-
-The members' large buffers are laid out one after the other, each starting at a multiple of ``ALIGN`` bytes (so a
-member rebuilt as a view of the gathered buffer is as aligned as a fresh allocation for any dtype and for the
-GEMMs that read it), and the whole is padded to a multiple of ``k``, the shard group's size. Rank ``r`` keeps bytes
-``[r * shard_nbytes, (r + 1) * shard_nbytes)``; one ``all_gather_into_tensor`` of the shards returns the layout
-itself, so every member comes back as a view, without a copy. Pure arithmetic: the planner uses it to count bytes
-and the run-time operators to cut and rebuild (once a shard op, on its first call).
-"""
+"""Byte layout of a bucket: members one after the other, each at a multiple of ``ALIGN``, padded to a multiple of ``k``.
+Rank ``r`` keeps the ``r``-th slice, so one ``all_gather_into_tensor`` returns the layout and members come back as
+views."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-ALIGN = 256  # bytes; what the CUDA caching allocator guarantees for a fresh block (512) is more than any kernel needs
+ALIGN = 256  # bytes; enough for any kernel (a fresh CUDA caching allocator block is 512-aligned)
 
 
 @dataclass(frozen=True)
@@ -22,11 +16,11 @@ class BucketLayout:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    k: int  # the shard group's size: ranks the payload is split over
+    k: int  # the shard group's size
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the laid-out payload, alignment gaps included, before padding to a multiple of ``k``."""
+        """Bytes of the payload with alignment gaps, before padding to a multiple of ``k``."""
         return self.offsets[-1] + self.sizes[-1] if self.sizes else 0
 
     @property
@@ -36,12 +30,11 @@ class BucketLayout:
 
     @property
     def gathered_nbytes(self) -> int:
-        """Bytes of the all-gathered buffer (the payload padded to a multiple of ``k``)."""
+        """Bytes of the all-gathered buffer."""
         return self.shard_nbytes * self.k
 
     def pieces(self, rank: int) -> tuple[tuple[int, int, int, int], ...]:
-        """The parts of segments that rank ``rank`` keeps: ``(segment, start, stop, offset in the shard)``, where
-        ``start:stop`` are byte positions inside the segment."""
+        """The parts of segments rank ``rank`` keeps: ``(segment, start, stop, offset in the shard)``."""
         lo, hi = rank * self.shard_nbytes, (rank + 1) * self.shard_nbytes
         out = []
         for seg, (off, size) in enumerate(zip(self.offsets, self.sizes)):
@@ -52,8 +45,8 @@ class BucketLayout:
 
 
 def bucket_layout(sizes: list[int] | tuple[int, ...], k: int) -> BucketLayout:
-    """Lays out segments of ``sizes`` bytes, each at the next multiple of ``ALIGN`` (cached: the grouping lays the
-    same buckets out again while it tries groupings)."""
+    """Lays out segments of ``sizes`` bytes, each at the next multiple of ``ALIGN`` (cached: the grouping repeats
+    layouts)."""
     return _bucket_layout(tuple(int(s) for s in sizes), k)
 
 
@@ -70,16 +63,13 @@ def _bucket_layout(sizes: tuple[int, ...], k: int) -> BucketLayout:
 
 
 def sources_layout(sizes: list[int] | tuple[int, ...]) -> BucketLayout:
-    """The gathered buffer of a bucket whose members' shards are forward inputs (their parameter shards), gathered
-    by one coalesced all-gather: each member's whole gathered bytes (``sizes``: ``k`` times its input's) at the next
-    multiple of ``ALIGN``, so that each comes back as a view."""
+    """The gathered buffer of a bucket whose members' shards are forward inputs: each member's gathered bytes at the
+    next multiple of ``ALIGN``."""
     return bucket_layout(sizes, 1)
 
 
 def packed_offsets(sizes: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], int]:
-    """Offsets of segments packed back to back, and the total: how one shard op keeps the shards of its buckets (no
-    gaps, so the shard is one copy of its pieces and its bytes are exactly the shards'; the shards of real weights
-    are multiples of 256 bytes anyway)."""
+    """Offsets of segments packed back to back, and the total: how a shard op keeps its buckets' shards."""
     offsets, end = [], 0
     for size in sizes:
         offsets.append(end)

@@ -1,13 +1,6 @@
-"""The planner: decides, for every candidate, whether to shard it, and says why. Pure functions over plain data.
-
-``soundness`` decides what *may* be sharded (replicated, worth a collective, freeing its storage); ``choose``
-applies the policy to the sound candidates and the compaction options (all of them, only those lowering the
-predicted peak, or the fewest bytes moved that meet a byte budget) by asking the memory model
-(:mod:`thunder_fp8shard.memory.model`: the program's storages plus the memory the step runs in), so that peaks and
-budgets are device bytes, and has the chosen tensors grouped into buckets and shard ops
-(:mod:`thunder_fp8shard.planning.grouping`); ``make_plan`` is the pure entry point: from the analysis and the agreed inputs,
-the plan (the choice, its evaluations, the byte accounting).
-"""
+"""The planner: decides, for every candidate, whether to shard it, and says why. ``soundness`` decides what may be
+sharded; ``choose`` applies the policy on the memory model (device bytes) and groups the chosen; ``make_plan`` is the
+entry point."""
 
 from __future__ import annotations
 
@@ -35,10 +28,8 @@ def soundness(
     candidates: list[Candidate], replication: Replication, model_io: set[str], options: ShardOptions, k: int,
     model: MemoryModel, saved_names: set[str], sources: Mapping[str, str] | None = None,
 ) -> list[Decision]:
-    """Marks each candidate sharded if sharding it is sound and frees memory; otherwise gives the reason.
-    ``k``: the ranks each tensor is sharded over (the shard group's, see
-    :mod:`thunder_fp8shard.distributed.shard_groups`); ``replication`` is over the setup's whole group; ``sources``:
-    the candidates whose shard is a forward input (:mod:`thunder_fp8shard.analysis.own_shards`), with its name."""
+    """Marks each candidate sharded if that is sound and frees memory, else gives the reason. ``k``: the shard group's
+    size; ``sources``: candidates whose shard is a forward input."""
     sources = sources or {}
     decisions = []
     life_of = model.life_of
@@ -73,11 +64,8 @@ def soundness(
 
 def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPlan,
               agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
-    """The plan of one compilation (pure): ``analysis`` with the memory terms every rank agreed on, ``options`` with
-    the agreed budget, ``k`` the ranks each tensor is sharded over (the shard group's), ``header`` the plan's
-    setup facts (a :class:`ShardPlan` with nothing decided: integration, shard group, notes), ``agreed`` what was agreed,
-    ``chooser`` the choice (:func:`choose`; a test injects another, see :class:`thunder_fp8shard.pipeline.Seams`). Returns
-    the plan (the choice, its predicted timelines before and after, its byte accounting) and the warnings to give."""
+    """The plan of one compilation from the agreed analysis, options and setup facts (``header``); ``chooser`` is
+    injectable for tests. Returns the plan and the warnings to give."""
     model = analysis.model
     sound = []
     if analysis.replication is not None:
@@ -85,7 +73,7 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
                           model, set(analysis.saved_names), analysis.sources)
     choice = (chooser or choose)(sound, model, options, k)
     buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
-    # before: the run without the pass (nor its forward rewrite); after: the program as the pass runs it
+    # before: without the pass (nor its forward rewrite); after: as the pass runs it
     before, after = model.evaluate(rewritten=False), model.evaluate(buckets, taken)
     program_before = model.evaluate(terms=False, rewritten=False)
     program_after = model.evaluate(buckets, taken, terms=False)
@@ -127,29 +115,23 @@ def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
 
 @dataclass(frozen=True)
 class Choice:
-    """What :func:`choose` decided: every candidate's decision, the buckets of the sharded ones, every compaction
-    option (taken or not, with the reason), the plan's notes, and those of them the user must be warned of."""
+    """What :func:`choose` decided: every candidate's decision, the buckets, every compaction option with its reason,
+    the plan's notes and the warnings among them."""
 
     decisions: list[Decision]
     buckets: list[Bucket]
     compactions: list[Compaction]
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    # policy "budget": the bytes the choice moves a step (shards' payloads, compactions' copies) and a lower bound on
-    # what any choice meeting the budget's target must move (see least_traffic)
+    # policy "budget": the bytes the choice moves a step, and a lower bound for any choice meeting the target
+    # (least_traffic)
     traffic: dict | None = None
 
 
 def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int) -> Choice:
-    """Applies the policy to the sound decisions and the model's compaction options.
-
-    A tensor whose own all-gather (``prefetch`` tensors ahead) would come right after its shard is refused.
-    Policies ``peak`` and ``budget`` weigh each tensor on its own (its own shard and gather, as just placed) and each
-    compaction on its own, by the predicted peak each lowers per byte it moves a step (a shard's payload is
-    all-gathered back, a compaction's copy is made); the buckets are formed from what is kept, and the plan's
-    prediction is made with those buckets and compactions. ``budget`` plans to the budget less
-    :data:`BUDGET_MARGIN` of it (:func:`budget_target`).
-    """
+    """Applies the policy to the sound decisions and the compaction options. A tensor whose gather would follow its
+    shard at once is refused. ``peak`` and ``budget`` weigh each shard and compaction on its own, by peak lowered per
+    byte moved."""
     candidates = [d for d in sound if d.sharded]
     refused: dict[str, str] = {}
     notes: list[str] = []
@@ -166,7 +148,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
     if options.policy == "all":
         compactions = _not_raising_the_peak(compactions, model)
         base = model.live_bytes()
-        for d in candidates:  # each shard on its own, as each compaction: none that raises the predicted peak
+        for d in candidates:  # each on its own: none that raises the predicted peak
             if (base + model.change([single_of[d.name]])).max() > base.max():
                 refused[d.name] = RAISES
         candidates = [d for d in candidates if d.name not in refused]
@@ -174,11 +156,11 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
         taken, lowest, traffic = _greedy(candidates, eligible, model, singles, target, refused)
         met = target is not None and lowest <= target
-        if target is not None and not met:  # the best reachable: every sound shard and every eligible compaction
+        if target is not None and not met:  # the best reachable: every sound shard and eligible compaction
             names = {d.name for d in candidates}
             every = [b for b in singles if b.members[0] in names]
             best = int((model.live_bytes() + model.change(every, eligible)).max())
-            if best < lowest:  # closer than the greedy got (no single item lowered the peak on its own): take all
+            if best < lowest:  # closer than the greedy got (no single item lowered the peak alone): take all
                 taken, lowest, met = {c.storage for c in eligible}, best, best <= target
                 for d in candidates:
                     refused.pop(d.name, None)
@@ -207,8 +189,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
 
 
 class LayoutError(RuntimeError):
-    """The model's agreed layout cannot be realized in this program (a member missing or not sound here, its buckets
-    used in another order)."""
+    """The model's agreed layout cannot be realized in this program."""
 
 
 NOT_IN_LAYOUT = "not in the model's agreed layout (the ranks agreed what is sharded at its first compilation)"
@@ -216,11 +197,9 @@ NOT_IN_LAYOUT = "not in the model's agreed layout (the ranks agreed what is shar
 
 def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int, *,
                   buckets: Sequence[Sequence[str]], ops: Sequence[int]) -> Choice:
-    """The model's agreed layout realized in this program: exactly ``buckets`` (the members' names here, buckets in
-    order of first backward use) sharded, by shard ops ``ops``; every other candidate left out; the compactions
-    chosen here (rank-local: every one that does not raise the predicted peak). Raises :class:`LayoutError` where a
-    member is not a sound candidate here or the buckets' first uses come in another order. Where the layout raises
-    this program's predicted peak, a warning says so (the ranks' collectives cannot change alone)."""
+    """The agreed layout realized here: exactly ``buckets`` sharded by shard ops ``ops``, plus local compactions that do
+    not raise the peak. Raises :class:`LayoutError` where a member is not sound here or the order differs; warns where
+    it raises this program's peak."""
     by_name = {d.name: d for d in sound}
     members = [n for b in buckets for n in b]
     missing = [n for n in members if n not in by_name or not by_name[n].sharded]
@@ -256,8 +235,7 @@ def _budget_note(budget: int, target: int, before: int, lowest: int) -> str:
             f"candidate and making every compaction, or fewer where more does not lower it) is {lowest:,} B ({where})")
 
 
-# policy "budget" plans to the budget less this part of it: the memory model predicts the device peak within about
-# 0.3% at 32 layers and 0.5% at 8 (docs/memory_model.md, its accuracy), so a met budget ends within 0.5% of it
+# policy "budget" plans to the budget less this part of it, the memory model's accuracy (docs/memory_model.md)
 BUDGET_MARGIN = 0.005
 
 
@@ -267,9 +245,8 @@ def budget_target(budget_bytes: int) -> int:
 
 
 def _compaction_options(model: MemoryModel, sound: list[Decision], options: ShardOptions) -> list[Compaction]:
-    """The model's compaction options freeing at least ``min_bytes``, each marked taken where it may be (``compact``
-    is ``"auto"``, it frees at least as many bytes as it copies, and no tensor of its storage is a sharding
-    candidate), else with the reason."""
+    """The model's compaction options freeing at least ``min_bytes``, each taken where allowed (``compact="auto"``, it
+    frees at least what it copies, no tensor of its storage is a candidate), else with the reason."""
     sharding = {d.name for d in sound if d.sharded}
     out = []
     for c in model.compactions:
@@ -295,8 +272,7 @@ def _compacted_reason(c: Compaction, model: MemoryModel) -> str:
 
 
 def _placed_reason(c: Compaction, model: MemoryModel) -> Compaction:
-    """A taken compaction's reason, saying which call makes its copies where :func:`grouping.place_compactions`
-    moved them."""
+    """A taken compaction's reason, naming the call that makes its copies."""
     if not c.compacted:
         return c
     reason = _compacted_reason(c, model)
@@ -328,33 +304,30 @@ LOWERS_NOTHING = "does not lower the predicted peak"
 def _never_worse(decisions: list[Decision], compactions: list[Compaction], buckets: list[Bucket], model: MemoryModel,
                  options: ShardOptions, sched: dict, *, lower: bool
                  ) -> tuple[list[Decision], list[Compaction], list[Bucket]]:
-    """The choice as it will run (its buckets, its compactions), checked on the memory model as a whole: policy "all"
-    (``lower=False``) keeps it only where the predicted peak does not rise, dropping the bucket (else the compaction)
-    that adds most at the peak step until it does not; policy "peak" (``lower=True``) does the same until the peak
-    falls (nothing is kept where it does not), then keeps only what lowers it: a bucket or compaction whose removal
-    leaves the predicted peak where it is goes. The buckets are formed again after each drop (a gather's place depends on the
-    others'). Every choice is a decision of :meth:`MemoryModel.change`, the one evaluator."""
+    """The choice as it will run, on the whole model: policy "all" drops what adds most at the peak until it does not
+    rise; "peak" until it falls, then anything whose removal leaves it unchanged. Buckets are regrouped after each
+    drop."""
     before = int(model.live_bytes().max())
-    dropped: dict[str, str] = {}  # shard: reason
-    undone: dict[str, str] = {}  # compaction's storage: reason
+    dropped: dict[str, str] = {}  # shard -> reason
+    undone: dict[str, str] = {}  # compaction's storage -> reason
     while True:
         taken = [c for c in compactions if c.compacted and c.storage not in undone]
         live = model.live_bytes(buckets, taken)
         changed = False
         if live.max() > before or (lower and live.max() >= before and (buckets or taken)):
-            # the one that adds most where the peak now is goes
+            # the one adding most at the peak goes
             at = int(np.argmax(live))
             items = [(b.members, model.change([b])[at], dropped) for b in buckets]
             items += [((c.storage,), model.change(compactions=[c])[at], undone) for c in taken]
             names, added, target = max(items, key=lambda item: item[1], default=((), 0, dropped))
             if added > 0:
                 target.update((n, RAISES) for n in names)
-            else:  # nothing adds at that step: shard and compact nothing (the model without them is `before`)
+            else:  # nothing adds at that step: shard and compact nothing
                 why = LOWERS_NOTHING if lower else RAISES
                 dropped.update((n, why) for b in buckets for n in b.members)
                 undone.update((c.storage, why) for c in taken)
             changed = True
-        elif lower:  # drop, one at a time, what leaves the peak where it is when it goes
+        elif lower:  # drop, one at a time, what leaves the peak unchanged
             items = [(b.members, model.change([b]), dropped) for b in reversed(buckets)]
             items += [((c.storage,), model.change(compactions=[c]), undone) for c in taken]
             for names, delta, target in items:
@@ -378,14 +351,11 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
 
 def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
             ) -> tuple[set[str], int, dict]:
-    """Adds, one at a time, the shard or compaction that lowers the predicted peak most per byte it moves a step (a
-    shard: its payload, all-gathered back; a compaction: its copy; compactions first where equal), until the peak
-    stops falling (policy "peak") or reaches ``target`` (policy "budget"). Each shard's effect is taken with its
-    own gather placement in ``singles`` (one bucket per tensor). Fills ``refused`` with the shards left out; returns
-    the storages of the compactions taken, the predicted peak reached, and the traffic (:func:`least_traffic`)."""
+    """Adds the shard or compaction lowering the peak most per byte moved until the peak stops falling ("peak") or meets
+    ``target`` ("budget"). Fills ``refused``; returns the compactions taken, the peak reached and the traffic."""
     base = model.live_bytes()
     single = {b.members[0]: b for b in singles}
-    # compactions first, then the shards in the candidates' order: the first of equal gains is taken
+    # compactions first, then shards in order: the first of equal gains is taken
     items = [(c.storage, c.copied_bytes, model.change(compactions=[c]), "compaction") for c in compactions]
     items += [(d.name, d.nbytes, model.change([single[d.name]]), "shard") for d in candidates]
     current, taken, moved = base, set(), 0
@@ -411,11 +381,9 @@ def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singl
 
 
 def least_traffic(base, target: int, items) -> int | None:
-    """A lower bound on the bytes a step any choice among ``items`` (``(name, bytes moved, change, kind)``) must
-    move to bring the predicted peak ``base`` to ``target``: at the step where the peak is, each item lowers the live
-    bytes by a fixed amount, and every choice meeting the target must lower that step by ``peak - target`` at least;
-    the fractional knapsack of that one step (the cheapest bytes per byte lowered first, the last taken in part) is a
-    bound no choice beats. None where even every item together cannot lower that step enough."""
+    """A lower bound on the bytes any choice among ``items`` moves to bring the peak to ``target``: each item lowers the
+    peak step by a fixed amount, so that step's fractional knapsack bounds every choice. None where all cannot reach
+    it."""
     at = int(np.argmax(base))
     need = int(base[at]) - target
     if need <= 0:
@@ -438,7 +406,7 @@ def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) ->
 
 
 def _not_sharded(d: Decision, why: str) -> Decision:
-    """``d`` left out after all (a choice or the never-worse rule), with why: nothing of its shard remains."""
+    """``d`` left out after all, with why: nothing of its shard remains."""
     return replace(d, sharded=False, shard_nbytes=0, shard_source="", reason=why)
 
 

@@ -1,12 +1,5 @@
-"""The executors of Thunder's own benchmark (``benchmark_litgpt.py --compile=thunder_inductor_cat``), for the tests,
-the benchmarks and the GPU runs: ``torch_compile_cat_ex`` first among Thunder's default executors (after
-TransformerEngine's, where used). On the CPU, :func:`cat_executor` gives an executor that fuses what
-``torch_compile_cat_ex`` fuses, with the same torch.compile regions, but whose checker does not require CUDA
-tensors (Thunder's does), so that the CPU tests see the regions users meet on the GPU. Its regions are compiled with
-torch.compile's ``aot_eager`` backend: AOTAutograd, which decides how a region's outputs alias its inputs (a view of
-an input comes back as a view of it, as under Inductor), without Inductor's C++ code generation on the CPU (seconds
-a region in every new process; what users run on the GPU is Inductor's Triton, which no CPU run exercises anyway).
-"""
+"""The executors of Thunder's own benchmark: ``torch_compile_cat_ex`` first. On the CPU a twin without its CUDA check,
+compiling with ``aot_eager`` (Inductor's aliasing without its slow C++ codegen), lets CPU tests see the same regions."""
 
 from __future__ import annotations
 
@@ -15,8 +8,7 @@ import functools
 
 @functools.cache
 def cat_executor(device_type: str = "cuda"):
-    """``torch_compile_cat_ex`` on CUDA; on the CPU a twin of it (same required and supported operators, no CUDA
-    check, ``aot_eager``), registered once as ``torchcompile_cat_cpu``."""
+    """``torch_compile_cat_ex`` on CUDA; on the CPU its twin, registered once as ``torchcompile_cat_cpu``."""
     from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_cat_ex
     from thunder.extend import ImplInfo, register_executor
 
@@ -41,8 +33,8 @@ def cat_executor(device_type: str = "cuda"):
 
 
 def benchmark_executors(device_type: str = "cuda", *, transformer_engine: bool = False, sdpa: bool = True) -> list:
-    """Thunder's benchmark's list: [TransformerEngine's,] the cat executor, then Thunder's defaults (without Thunder's
-    sdpa executor when ``sdpa`` is False: flash attention's backward is not bitwise reproducible)."""
+    """Thunder's benchmark's list: [TransformerEngine's,] the cat executor, then Thunder's defaults (without sdpa when
+    ``sdpa`` is False: flash attention's backward is not bitwise reproducible)."""
     import thunder
 
     ex = [e for e in thunder.get_default_executors() if sdpa or e.name != "sdpa"]

@@ -1,15 +1,6 @@
-"""Small generated models for the property test (``tests/test_property.py``): seeded random mixes of linear layers,
-layer norms, expanded and viewed weights, straight-through FP8 weight copies and shared weights, run on one rank of
-a data-parallel setup with and without the pass, measuring what the step holds.
-
-The step's peak is measured with torch's profiler (``profile_memory=True``): every allocation and free of
-PyTorch's CPU allocator while it records is an event with its address and bytes, so replaying them in time order
-gives the bytes that tensors allocated during the step hold at each moment, and their most at once
-(:func:`allocation_peak`). Exact for what the step allocates (every tensor, gloo's collective temporaries included:
-gloo allocates them as tensors), and the same in both runs for what it leaves out: what was allocated before the step
-(the parameters, the batch) and memory outside PyTorch's allocator (Python objects). Not the allocator's own
-``total_allocated`` figure: it keeps counting the blocks earlier recordings allocated.
-"""
+"""Small generated models for the property test, run on one rank with and without the pass. The step's peak is the
+profiler's CPU allocation events replayed (:func:`allocation_peak`): exact for what the step allocates, and what it
+leaves out is the same in both runs."""
 
 from __future__ import annotations
 
@@ -24,8 +15,8 @@ from thunder_fp8shard.testing.measure import saved_bytes
 from thunder_fp8shard.testing.toy_models import FP8WeightLinear
 
 LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")
-# steps measured a run: a tensor that a collective's thread frees a moment late can overlap the peak of one step (a 4
-# KiB buffer, in some steps with the pass and in some without); the lowest of a few steps is the step's own peak
+# a tensor a collective's thread frees a moment late can overlap one step's peak; the lowest of a few steps is the
+# step's own
 PEAK_STEPS = 4
 
 
@@ -41,8 +32,7 @@ class Case:
     @classmethod
     def draw(cls, seed: int, setup: str, n_layers: int = 4) -> Case:
         rng = random.Random(seed)
-        # something for either kind of candidate to shard, a weight used through a view, an expand or again, then
-        # a random mix, in a random order
+        # something for each kind of candidate, a weight used through a view, an expand or again, then a random mix
         layers = ["fp8", "linear", rng.choice(("expand", "view", "shared"))]
         layers += [rng.choice(LAYERS) for _ in range(n_layers - 3)]
         rng.shuffle(layers)
@@ -50,8 +40,8 @@ class Case:
 
 
 class _Layer(nn.Module):
-    """The parameters a layer uses, and no other (Thunder FSDP 0.2.6 leaves the prologue's check of a parameter the
-    program never uses unsharded)."""
+    """The parameters a layer uses, and no other (Thunder FSDP leaves a parameter the program never uses unsharded in
+    the prologue's check)."""
 
     def __init__(self, d: int, weight: bool, vector: bool):
         super().__init__()
@@ -60,10 +50,8 @@ class _Layer(nn.Module):
 
 
 class Generated(nn.Module):
-    """``case.layers`` in order, a ``tanh`` after each: ``linear`` (``F.linear``), ``layer_norm`` (Thunder saves its
-    weight expanded to the activation's shape), ``expand`` (the activation times a weight vector expanded to its
-    shape), ``view`` (a linear whose weight is used through a reshape), ``fp8`` (:class:`FP8WeightLinear`: a float8
-    copy of the weight saved), ``shared`` (a linear with the first linear weight again)."""
+    """``case.layers`` in order, a ``tanh`` after each: ``linear``, ``layer_norm``, ``expand``, ``view`` (a weight
+    reshaped), ``fp8`` (:class:`FP8WeightLinear`), ``shared`` (the first linear weight again)."""
 
     def __init__(self, case: Case):
         super().__init__()
@@ -98,9 +86,8 @@ class Generated(nn.Module):
 
 
 def allocation_peak(prof) -> int:
-    """The most bytes that tensors allocated while ``prof`` recorded held at once: its CPU allocation events in
-    time order, each allocation adding its bytes and each free of one of them taking them back (matched by address;
-    frees of blocks allocated before are left out)."""
+    """The most bytes tensors allocated while ``prof`` recorded held at once (frees matched by address; frees of earlier
+    blocks left out)."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -122,10 +109,8 @@ def allocation_peak(prof) -> int:
 
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
-    """One rank's runs of ``case`` without the pass (key None), then with it for each of ``case.candidates`` (keyed by
-    it): the last step's gradients and the bytes its forward saved (distinct storages,
-    :mod:`thunder_fp8shard.testing.measure`), the lowest allocation peak of :data:`PEAK_STEPS` steps after the first
-    (see the module's docstring and :data:`PEAK_STEPS`) and the plan."""
+    """One rank's runs of ``case`` without the pass (key None) and with it for each of ``case.candidates``: gradients,
+    saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plan."""
     import thunder
     from thunder.distributed import FSDPType, ddp
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
@@ -148,7 +133,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         target = torch.randn(*case.batch, case.d, generator=gen)
         F.mse_loss(jm(x), target).backward()  # compiles
         peaks = []
-        for _ in range(PEAK_STEPS):  # steps 2 (the pass's calibration runs in it) to PEAK_STEPS + 1: the lowest peak
+        for _ in range(PEAK_STEPS):  # after the compiling step; the first includes the pass's calibration
             for p in (*jm.parameters(), x):
                 p.grad = None
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -1,9 +1,6 @@
-"""Runs a function on N real processes on this machine (gloo, or NCCL with one GPU a rank) and collects what each
-rank returns; or on one simulated rank of N (torch's fake process group). :func:`run_on_ranks` starts new processes
-for each call; a :class:`RankPool` keeps N gloo processes and runs many functions on them (the tests' way).
-
-Used by the demo, the tests and the notebooks; it is not part of the pass.
-"""
+"""Runs a function on N processes (gloo, or NCCL one GPU a rank) and collects what each rank returns, or on one
+simulated rank of N (torch's fake process group). :func:`run_on_ranks` starts processes for each call; a
+:class:`RankPool` keeps them for many calls."""
 
 from __future__ import annotations
 
@@ -26,27 +23,20 @@ import torch.multiprocessing as mp
 def run_on_ranks(
     fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 600, backend: str = "gloo"
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own process. With
-    ``backend="nccl"`` rank r uses GPU r (``LOCAL_RANK`` is the rank).
-
-    ``fn`` must be importable (module level) and return picklable data. An exception on any rank is re-raised here
-    with that rank's traceback.
-    """
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each rank in its own process; ``fn`` must be
+    importable and return picklable data."""
     return _run(fn, world_size, tuple(range(world_size)), args, timeout_s, backend)
 
 
 def run_simulated(fn: Callable[..., Any], world_size: int, *args, rank: int = 0, timeout_s: float = 600) -> Any:
-    """``fn(rank, world_size, *args)`` in a process of its own that joins torch's fake process group as rank ``rank``
-    of ``world_size`` (``init_process_group("fake", store=FakeStore(), ...)``): collectives return at once and move
-    nothing, so values are meaningless, but shapes, process groups (``new_group`` works), plans and memory are those
-    of that rank of a real run. How the benchmarks simulate rank 0 of N on one device."""
+    """``fn(rank, world_size, *args)`` as rank ``rank`` of torch's fake process group: collectives move nothing, but
+    shapes, plans and memory are that rank's in a real run."""
     return _run(fn, world_size, (rank,), args, timeout_s, "fake")[0]
 
 
 def _run(fn, world_size: int, ranks: tuple[int, ...], args, timeout_s: float, backend: str, tries: int = 3
          ) -> list[Any]:
-    """``fn`` on ``ranks``; started again (up to ``tries`` times) where the port picked for the ranks to meet on was
-    taken by another process before they bound it (EADDRINUSE: tests run side by side)."""
+    """``fn`` on ``ranks``, started again where another process took the chosen port first (EADDRINUSE)."""
     for attempt in range(tries):
         try:
             return _run_once(fn, world_size, ranks, args, timeout_s, backend)
@@ -96,7 +86,7 @@ def _rank_main(fn, rank, world_size, port, results, args, backend):
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))  # plain bytes: no shared-memory tensors to outlive us
-    except BaseException:  # report every failure to the parent instead of hanging it
+    except BaseException:  # report every failure instead of hanging the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -104,29 +94,16 @@ def _rank_main(fn, rank, world_size, port, results, args, backend):
 
 
 class RankPool:
-    """``world_size`` gloo processes started once, each joining the process group once, that then run function after
-    function: ``pool.run(fn, *args)`` is ``run_on_ranks(fn, world_size, *args)`` without starting processes (a
-    spawned process spends seconds of CPU importing torch and Thunder; the workers are forked from a fork server that
-    imported them once, see :func:`start_pool_server`). Used by the tests (``tests/conftest.py``), as torch's
-    multi-process test cases keep their processes.
-
-    Every rank runs every function, in the order given, so the collectives a function issues (``new_group`` and
-    ``new_subgroups_by_enumeration`` included) match across ranks; a barrier after each function checks that every
-    rank came back. Between functions each worker puts back what a fresh process would have: the environment, the
-    random states of torch and ``random``, grad mode, the default dtype, the thread count, Dynamo's caches and
-    config, and every module global of ``thunder_fp8shard`` a function rebound (a seam a test planted). State a
-    function keeps elsewhere stays: a test that needs a fresh process uses :func:`run_on_ranks`.
-
-    A failure on any rank (an exception, a death, no result in ``timeout_s``) discards the workers: they are killed
-    (the others may wait in a collective for the failed one forever), the rank's error is raised with its traceback
-    (as :func:`run_on_ranks` does), and the next call starts new ones.
-    """
+    """``world_size`` gloo processes, forked once from a server that imported everything, running function after
+    function. Every rank runs every function in order, and a barrier checks each came back; between functions a worker
+    restores what a fresh process would have (environment, random states, Dynamo, ``thunder_fp8shard`` globals a test
+    rebound). A failure kills the workers (others may wait in a collective) and raises that rank's error."""
 
     def __init__(self, world_size: int, backend: str = "gloo"):
         if backend != "gloo":
             raise ValueError(f"RankPool runs gloo ranks only, got backend={backend!r}; use run_on_ranks")
         self.world_size, self.backend = world_size, backend
-        self.starts = 0  # how many times workers were started (1 + the discards that were followed by a call)
+        self.starts = 0  # 1 + the discards followed by a call
         self.calls = 0
         self._procs: list = []
         self._tasks: list = []
@@ -139,9 +116,9 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args, timeout_s: float = 600) -> list[Any]:
-        """``[fn(rank, world_size, *args) for rank in range(world_size)]`` on the pool's workers (started if
-        needed). ``fn`` must be importable and return picklable data."""
-        task = pickle.dumps((fn, args))  # here, not in a queue's feeder thread: a pickling error raises in the caller
+        """``run_on_ranks`` on the pool's workers, started if needed."""
+        # here, not in a queue's feeder thread, so a pickling error raises in the caller
+        task = pickle.dumps((fn, args))
         if not self.alive:
             self._start()
         self.calls += 1
@@ -161,7 +138,7 @@ class RankPool:
                         raise TimeoutError(f"no result from ranks {sorted(set(range(self.world_size)) - set(out))} in "
                                            f"{timeout_s} s") from None
                     continue
-                if not ok:  # the other ranks may wait in a collective for this one: the workers are discarded
+                if not ok:  # the other ranks may wait in a collective for this one
                     raise RuntimeError(f"rank {rank} failed{' to start' if call is None else ''}:\n{value}")
                 out[rank] = pickle.loads(value)
         except BaseException:
@@ -172,9 +149,8 @@ class RankPool:
     def _start(self) -> None:
         self.discard()
         ctx = _pool_context()
-        # the process group's store is served from here, on a port the kernel picks and this process holds while the
-        # workers live: no other pool (another pytest-xdist worker's, say) can take that port between its choice and
-        # its use, as it could a port found free and released
+        # the store is served from here on a port the kernel picks and this process holds, so no other pool can take it
+        # between choice and use
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = self._store.port
         self._results = ctx.Queue()
@@ -211,9 +187,7 @@ class RankPool:
 
 
 class RankPools:
-    """One :class:`RankPool` a world size, started on first use. ``pools.run(fn, world_size, *args)`` mirrors
-    :func:`run_on_ranks`. At most ``max_workers`` processes are kept: a pool of another size that would exceed it
-    closes the pools used longest ago first."""
+    """One :class:`RankPool` a world size; at most ``max_workers`` processes, closing the least recently used first."""
 
     def __init__(self, max_workers: int | None = None):
         self.max_workers = max_workers
@@ -234,15 +208,13 @@ class RankPools:
             pool.close()
 
 
-# what the fork server imports once, before any worker is forked from it: torch, Thunder, the pass, the test support
+# what the fork server imports once, before forking any worker
 POOL_PRELOAD = ["thunder_fp8shard.testing.harness", "thunder_fp8shard.testing.reference_run",
                 "thunder_fp8shard.testing.litgpt_run"]
 
 
 def _pool_context():
-    """Workers are forked from a fork server that imported torch, Thunder and the pass once (a spawned process takes
-    seconds of CPU to import them; a fork from the server, a fraction of one). Nothing else ran in the server: no
-    thread, no process group, no device. Spawned where there is no fork server."""
+    """Forks workers from a server that imported torch, Thunder and the pass once; spawns where there is none."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -251,8 +223,7 @@ def _pool_context():
 
 
 def start_pool_server() -> None:
-    """Starts the fork server now (it imports in the background), so that the first pool start does not wait for
-    it. The ``sys.path`` of this moment is the workers' (they import the modules the functions they run live in)."""
+    """Starts the fork server now, so the first pool does not wait; the ``sys.path`` of this moment is the workers'."""
     ctx = _pool_context()
     if ctx.get_start_method() == "forkserver":
         from multiprocessing import forkserver
@@ -261,15 +232,14 @@ def start_pool_server() -> None:
 
 
 class _FreshState:
-    """What a worker puts back after each function: as found when its process group was initialized."""
+    """What a worker puts back after each function: the state when its process group was initialized."""
 
     PACKAGE = "thunder_fp8shard"
 
     def __init__(self):
         import random
 
-        # the pass (this module's package) is imported; the test support too, before the first function, so that a
-        # seam a function plants in it is undone as well
+        # import the test support before the first function too, so a seam planted in it is undone as well
         import thunder_fp8shard.testing.litgpt_run  # noqa: F401
         import thunder_fp8shard.testing.reference_run  # noqa: F401
 
@@ -324,7 +294,7 @@ def _pool_main(rank, world_size, port, tasks, results):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         fresh = _FreshState()
         gc.collect()
-        gc.freeze()  # what is imported stays: the collector skips it (a tenth of a Thunder compilation's time)
+        gc.freeze()  # what is imported stays: the collector skips it
     except BaseException:
         results.put((None, rank, False, traceback.format_exc()))
         return
@@ -334,16 +304,16 @@ def _pool_main(rank, world_size, port, tasks, results):
         try:
             fn, args = pickle.loads(task)
             value = pickle.dumps(fn(rank, world_size, *args))
-            dist.barrier()  # every rank came back: no collective of this function is left unmatched
+            dist.barrier()  # every rank came back: no collective left unmatched
             results.put((call, rank, True, value))
-        except BaseException:  # reported, then this worker waits to be killed (the parent discards the pool)
+        except BaseException:  # reported; then this worker waits to be killed
             results.put((call, rank, False, traceback.format_exc()))
         finally:
             fresh.restore(globals_before)
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # every result was taken: skip the interpreter's slow teardown of torch and Thunder
+    os._exit(0)  # skip the interpreter's slow teardown of torch and Thunder
 
 
 def _free_port() -> int:

@@ -1,16 +1,5 @@
-"""One rank's training run of a litgpt model (or the fake-FP8 toy) under Thunder FSDP ZeRO-3 (or ZeRO-2, DDP, or
-FSDP2 under ThunderFX: ``RunConfig.setup``) with TransformerEngine's executor, with or without the pass: the GPU
-exactness tests (``tests/test_te_gpu.py``) and the plan-accuracy tool (``benchmarks/plan_accuracy.py``) train it.
-Not part of the pass.
-
-:func:`setup_rank` builds the model from a litgpt config name (shrunk by :class:`RunConfig`'s overrides), jits it
-with ``executors=[transformer_engine_ex, ...]``, ``FSDPTransform(ZeRO-3)`` (or the setup's) and
-``ShardIntermediates`` (with ``shard``), and makes its AdamW optimizer. :func:`run_rank` runs ``steps`` steps on random tokens (different per
-rank) and returns, per rank: peak memory by phase (``torch.cuda.max_memory_allocated``), saved-for-backward bytes
-(measured with ``saved_tensors_hooks``, :mod:`thunder_fp8shard.testing.measure`), step times, losses (and with
-``return_grads`` every step's gradient shards), and the plan. Ranks: under :func:`~thunder_fp8shard.testing.harness
-.run_on_ranks` (gloo: every rank on GPU ``rank % device_count``; NCCL: one GPU a rank).
-"""
+"""One rank's training run of a litgpt model (or the fake-FP8 toy) with TransformerEngine, under any supported setup,
+with or without the pass: for the GPU exactness tests and ``benchmarks/plan_accuracy.py``."""
 
 from __future__ import annotations
 
@@ -27,17 +16,16 @@ from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.testing.trained import trained
 
 
-# the GPU tests' litgpt Llama-2-7b-hf config, shrunk to keep them fast (``tests/test_te_gpu.py``,
-# ``benchmarks/memory_at_peak.py``): RunConfig overrides
+# the GPU tests' shrunk Llama-2-7b-hf: RunConfig overrides
 TINY = dict(n_layer=2, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096, seq_len=256, micro_batch_size=2)
 
 
 @dataclass
 class RunConfig:
-    model: str = "litgpt"  # "toy": thunder_fp8shard.testing.toy_models.FakeFP8Llama (fake FP8, no litgpt: CPU runs)
+    model: str = "litgpt"  # "toy": toy_models.FakeFP8Llama (no litgpt: CPU runs)
     model_name: str = "Llama-2-7b-hf"
     n_layer: int = 2
-    n_embd: int | None = None  # overrides of the named config (to shrink a model for tests)
+    n_embd: int | None = None  # overrides of the named config
     intermediate_size: int | None = None
     n_head: int | None = None
     vocab_size: int | None = None
@@ -48,21 +36,17 @@ class RunConfig:
     method: str = "slice"
     prefetch: int = 1
     verify: bool = False
-    sdpa: bool = False  # Thunder's sdpa executor (flash attention: its backward is not bitwise reproducible)
-    te: bool = True  # the TransformerEngine executor (off only for CPU dry runs)
-    cat: bool = True  # Thunder's benchmark's torch_compile_cat_ex first (--compile=thunder_inductor_cat; on the CPU its
-    # twin without the CUDA check, thunder_fp8shard.testing.executors)
-    rope: bool = True  # "toy" only: the toy Llama's LitGPT attention with RoPE (under the cat executor: v out of a
-    # torch.compile region as a view of qkv, as in litgpt)
+    sdpa: bool = False  # Thunder's sdpa executor (flash attention's backward is not bitwise reproducible)
+    te: bool = True  # off only for CPU dry runs
+    cat: bool = True  # Thunder's benchmark's torch_compile_cat_ex first (on the CPU its twin: testing.executors)
+    rope: bool = True  # "toy" only: LitGPT's attention with RoPE
     device: str = "cuda"
     lr: float = 1e-4
-    return_grads: bool = False  # return every step's local gradient shards (for bitwise comparisons)
+    return_grads: bool = False  # for bitwise comparisons
     seed: int = 0
-    extra: dict = field(default_factory=dict)  # further ShardIntermediates options (bucket_bytes, comm, ...)
-    setup: str = "zero3"  # "zero3", "zero2": FSDPTransform with that strategy; "ddp": thunder.distributed.ddp;
-    # "fsdp2": PyTorch FSDP2 (fully_shard each block and the model) compiled by ThunderFX
-    checkpoint_activations: bool = False  # every block under torch.utils.checkpoint, as Thunder's benchmark's
-    # --checkpoint_activations=True wraps them (checkpoint_blocks)
+    extra: dict = field(default_factory=dict)  # further ShardIntermediates options
+    setup: str = "zero3"  # "zero3", "zero2": FSDPTransform; "ddp": thunder.distributed.ddp; "fsdp2": under ThunderFX
+    checkpoint_activations: bool = False  # every block under torch.utils.checkpoint (checkpoint_blocks)
 
 
 def litgpt_config(cfg: RunConfig):
@@ -81,8 +65,7 @@ def litgpt_config(cfg: RunConfig):
 
 
 def _executors(cfg: RunConfig, device):
-    """Thunder's benchmark's executors (``--compile=thunder_inductor_cat``): TE's (where used), the cat executor (where
-    ``cfg.cat``), Thunder's defaults (without its sdpa executor unless ``cfg.sdpa``)."""
+    """Thunder's benchmark's executors: TE's, the cat executor (where ``cfg.cat``), Thunder's defaults."""
     import thunder
 
     from thunder_fp8shard.testing.executors import benchmark_executors
@@ -110,8 +93,7 @@ def _phase(rec: dict, name: str, device) -> None:
 
 @dataclass
 class RankSetup:
-    """One rank's jitted model, optimizer and pass (None without ``shard``), as ``run_rank`` and
-    ``plan_accuracy.py`` train them."""
+    """One rank's jitted model, optimizer and pass (None without ``shard``)."""
 
     jm: object
     opt: torch.optim.Optimizer
@@ -122,9 +104,8 @@ class RankSetup:
 
 
 def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
-    """Builds the model (litgpt from ``cfg.model_name``; ``cfg.model == "toy"``: ``toy_models.FakeFP8Llama``, for the
-    CPU), jits it with Thunder FSDP ZeRO-3 or ZeRO-2 (``cfg.setup``; "ddp": ``thunder.distributed.ddp`` over the jitted
-    model; "fsdp2": FSDP2 compiled by ThunderFX) and TE and the pass, and makes its AdamW optimizer."""
+    """Builds the model (litgpt, or the toy on the CPU), jits it with the setup, TE and the pass, and makes its AdamW
+    optimizer."""
     import thunder
     from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
@@ -169,7 +150,7 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
         raise ValueError(f"setup must be 'zero3', 'zero2', 'ddp' or 'fsdp2', got {cfg.setup!r}")
     sh = None
     if cfg.shard:
-        options = {"optimizer_states": 2, **cfg.extra}  # the optimizer below is AdamW: two states a parameter
+        options = {"optimizer_states": 2, **cfg.extra}  # AdamW below: two states a parameter
         sh = ShardIntermediates(method=cfg.method, prefetch=cfg.prefetch, verify=cfg.verify, **options)
         transforms.append(sh)
     if cfg.setup == "fsdp2":
@@ -179,9 +160,8 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
     if cfg.setup == "ddp":
         from thunder.distributed import ddp
 
-        # ddp broadcasts every parameter from rank 0 in place; gloo with CUDA tensors broadcasts a CPU copy and writes
-        # it back with copy_, which autograd refuses on a leaf that requires grad unless grad mode is off (NCCL
-        # writes in place: users on NCCL need not do this; the test harness runs two gloo ranks on one GPU)
+        # gloo broadcasts CUDA tensors through a CPU copy written back with copy_, which autograd refuses on a leaf
+        # requiring grad unless grad mode is off
         with torch.no_grad():
             jm = ddp(jm)
     opt = torch.optim.AdamW(jm.parameters(), lr=cfg.lr)
@@ -189,10 +169,7 @@ def setup_rank(rank: int, cfg: RunConfig) -> RankSetup:
 
 
 def checkpoint_blocks(model: torch.nn.Module) -> None:
-    """Every transformer block (litgpt's ``Block``, the toy's ``LlamaBlock``) wrapped to run under
-    ``torch.utils.checkpoint`` (non-reentrant), as Thunder's benchmark's ``setup_activation_checkpointing`` wraps
-    them: Thunder traces the wrapped call as its ``activation_checkpoint`` symbol and recomputes the block in
-    backward."""
+    """Wraps every transformer block in non-reentrant ``checkpoint``, as Thunder's benchmark does."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing,
         checkpoint_wrapper,
@@ -212,8 +189,8 @@ def checkpoint_blocks(model: torch.nn.Module) -> None:
 
 
 def _fsdp2_under_thunderfx(model, cfg: RunConfig, device, transforms: list):
-    """PyTorch FSDP2 as Thunder's benchmark applies it (``fully_shard`` on every block, then on the model) compiled
-    by ThunderFX with the same executors and transforms (TE's transform first, the pass last) as ``thunder.jit``."""
+    """FSDP2 as Thunder's benchmark applies it (``fully_shard`` on every block, then the model), compiled by ThunderFX
+    with the same executors and transforms."""
     import torch._dynamo
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -221,7 +198,7 @@ def _fsdp2_under_thunderfx(model, cfg: RunConfig, device, transforms: list):
     from thunder.dynamo import ThunderCompiler
 
     torch._dynamo.reset()  # the other run of this process compiled the same code objects
-    torch._dynamo.config.cache_size_limit = 64  # every block and grad mode is a recompile (as Thunder's benchmark)
+    torch._dynamo.config.cache_size_limit = 64  # every block and grad mode is a recompile
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in (model.blocks if cfg.model == "toy" else model.transformer.h):
         fully_shard(block, mesh=mesh)
@@ -269,7 +246,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     out = {
         "rank": rank, "world_size": world_size, "n_params": n_params,
         "peak_bytes_per_step": peaks, "peak_bytes": max(peaks[1:] or peaks),
-        # the forward (with the loss) and the backward: what the plan predicts (the optimizer's step is after it)
+        # what the plan predicts: forward with the loss, and backward
         "program_peak_bytes": max(max(p["peak_forward"], p["peak_backward"]) for p in (phases[1:] or phases)),
         "saved_bytes_measured_per_step": saved, "saved_bytes_measured": saved[-1],
         "step_time_s": times, "step_time_median_s_after_first": statistics.median(times[1:] or times),
@@ -278,22 +255,21 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
     if cfg.return_grads:
         out["grads"] = grads
     if sh is not None and (t := trained(sh.plans, sh.reports)) is not None:
-        # which plans trained and a step's totals over them: testing/trained.py's rule
+        # testing/trained.py's rule
         out["plans"] = len(sh.plans)
         out["runs_per_step"] = list(t.runs)
         out["sharded_total"] = t.total(lambda p: len(p.sharded))
         out["compacted_total"] = t.total(lambda p: len(p.compacted))
-        # replicated copies policy "all" left out because sharding them would raise the predicted peak
+        # replicated copies policy "all" left out as raising the predicted peak
         out["raising_total"] = t.total(lambda p: sum(1 for d in p.decisions
                                                      if d.replicated and not d.sharded and d.reason == RAISES))
         out["predicted_saving_total"] = t.total(lambda p: p.saved_bytes_before - p.saved_bytes_after)
         plan, report = t.plan, t.report
-        run_plan = report.corrected(plan)  # the prediction as the run-time audit corrected it
+        run_plan = report.corrected(plan)  # as the run-time audit corrected it
         out["plan"] = {
             "text": plan_text(plan, report), "saved_bytes_before": plan.saved_bytes_before, "saved_bytes_after": plan.saved_bytes_after,
             "predicted_saving": plan.saved_bytes_before - plan.saved_bytes_after,
-            # the ranks each copy is sharded over (shard_group_size; the world size by default) and what each rank
-            # all-gathers in backward per step
+            # the shard group's size and what each rank all-gathers in backward a step
             "shard_group_size": plan.k, "gathered_bytes_per_step": plan.gathered_bytes_per_step,
             "predicted_peak_before": getattr(plan, "peak_bytes_before", None),
             "predicted_peak_after": run_plan.peak_bytes_after,
@@ -304,7 +280,7 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
             "compactions_in_shard_ops": sum(c.shard_op is not None for c in plan.compacted),
             "decisions": [{**asdict(d), "shape": list(d.shape), "bytes_saved": d.bytes_saved} for d in plan.decisions],
             "notes": list(plan.notes),
-            # fp8_forward_gather's rows (empty with the option off)
+            # fp8_forward_gather's rows
             "forward_gather": [{**asdict(g), "shape": list(g.shape)} for g in plan.forward_gather],
             "forward_gather_bytes": list(plan.forward_gather_bytes),
             "forward_gather_calls": list(plan.forward_gather_calls),
@@ -315,9 +291,8 @@ def run_rank(rank: int, world_size: int, cfg: RunConfig) -> dict:
 
 
 def assert_bitwise_equal_and_nonzero(without: list[dict], with_: list[dict], steps: int) -> None:
-    """Two runs' ranks (``run_rank`` results with ``return_grads``, without and with the pass): every loss and every
-    gradient of every step bitwise equal, every gradient non-zero (a zero one would make the comparison void), and
-    the ranks' data different."""
+    """Two runs' ranks (without and with the pass): every loss and gradient bitwise equal, every gradient non-zero (else
+    the comparison is void), and the ranks' data different."""
     for a, b in zip(without, with_):
         r = a["rank"]
         assert a["losses_hex"] == b["losses_hex"], f"rank {r}: losses differ {a['losses']} vs {b['losses']}"
@@ -332,7 +307,7 @@ def assert_bitwise_equal_and_nonzero(without: list[dict], with_: list[dict], ste
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a gradient: FSDP2's are DTensors (their local shard), the others plain tensors."""
+    """This rank's part of a gradient (FSDP2's are DTensors)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 

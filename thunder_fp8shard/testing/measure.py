@@ -11,12 +11,8 @@ from thunder_fp8shard.runtime.audit import storages  # the one storage walk (TE'
 
 
 class SavedBytes:
-    """Bytes of the distinct storages packed by autograd while the context was active, each counted at its size
-    when packed.
-
-    Storages are told apart by identity, held until the context exits: by address, a storage freed in place
-    (FSDP2 resizes an unsharded parameter's storage to 0 after its layer's forward) and a later one the allocator
-    put at the same address would count once."""
+    """Bytes of the distinct storages autograd packed while active. Storages are held and told apart by identity: by
+    address a freed storage and a later one at the same address would count once."""
 
     def __init__(self) -> None:
         self._storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
@@ -40,7 +36,7 @@ class SavedBytes:
 
 @contextlib.contextmanager
 def saved_bytes() -> Iterator[SavedBytes]:
-    """``with saved_bytes() as s: loss = model(x)`` then ``s.total`` is what that forward saved for backward."""
+    """``with saved_bytes() as s: loss = model(x)``, then ``s.total`` is what that forward saved for backward."""
     record = SavedBytes()
 
     def pack(t):

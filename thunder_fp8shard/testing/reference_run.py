@@ -1,10 +1,6 @@
-"""A small data-parallel training run (Thunder FSDP ZeRO-3 or ZeRO-2, Thunder DDP, or PyTorch FSDP2 under ThunderFX) of a
-fake-FP8 model on one rank, with or without the pass.
-
-``run_on_ranks(train, world_size, RunConfig(...))`` (see :mod:`thunder_fp8shard.testing.harness`) gives each
-rank's ``RunResult``; comparing a run with the pass against one without is the exactness check used by the demo and
-the tests. Every rank draws different inputs.
-"""
+"""A small data-parallel training run of a fake-FP8 model on one rank, with or without the pass, under Thunder FSDP,
+Thunder DDP or FSDP2 under ThunderFX. Comparing runs with and without the pass is the exactness check of the demo and
+the tests; every rank draws different inputs."""
 
 from __future__ import annotations
 
@@ -20,26 +16,23 @@ from thunder_fp8shard.testing.measure import saved_bytes
 @dataclass(frozen=True)
 class RunConfig:
     widths: tuple[int, ...] = (24, 64, 45, 7)
-    batch_sizes: tuple = (3, 5, 3)  # one optimizer step each: cache miss, new shape, cache hit; ``model="llama"``:
-    # (batch, sequence length) each
-    rank_batch_sizes: tuple = ()  # rank r's own ``batch_sizes`` (ranks that compile their own shapes), where given
+    # one optimizer step each: cache miss, new shape, cache hit; ``model="llama"``: (batch, sequence length) each
+    batch_sizes: tuple = (3, 5, 3)
+    rank_batch_sizes: tuple = ()  # rank r's own ``batch_sizes``, where given
     use_pass: bool = True
     options: dict = field(default_factory=dict)  # ShardIntermediates options
-    rank_options: tuple[dict, ...] = ()  # rank r's options on top of ``options`` (rank-dependent values)
-    seams: dict = field(default_factory=dict)  # injected into the pass (ShardIntermediates.inject: a planted device
-    # probe, collectives, replication analysis or choice)
+    rank_options: tuple[dict, ...] = ()  # rank r's options on top of ``options``
+    seams: dict = field(default_factory=dict)  # for ShardIntermediates.inject
     no_grad_call: bool = True  # a forward-only call between the first and second step
-    api: str = "transform"  # "transform": FSDPTransform in transforms=; "fsdp": thunder.distributed.fsdp(...);
-    # "ddp": thunder.distributed.ddp(...); "fsdp2": fully_shard(each layer), fully_shard(model), then torch.compile
-    # with ThunderCompiler(transforms=[pass])
+    # "transform": FSDPTransform in transforms=; "fsdp", "ddp": thunder.distributed's; "fsdp2": fully_shard, then
+    # torch.compile with ThunderCompiler
+    api: str = "transform"
     sharding_strategy: str = "ZERO3"  # under "fsdp2": ZERO3 is reshard_after_forward=True, ZERO2 False
-    compile_scope: str = "model"  # "fsdp2" only: "model" compiles the whole model (Thunder's benchmark_litgpt),
-    # "layers" each layer (layer.compile(backend=...), torchtitan's way)
-    mesh_shape: tuple[int, ...] | None = None  # "fsdp2" only: (replicate, shard) for HSDP over a 2-D mesh (its
-    # product the world size); None: a 1-D mesh over every rank
+    compile_scope: str = "model"  # "fsdp2" only: "model" compiles the whole model, "layers" each layer
+    mesh_shape: tuple[int, ...] | None = None  # "fsdp2" only: (replicate, shard) for HSDP; None: a 1-D mesh
     seed: int = 0
-    model: str = "mlp"  # "mlp": FakeFP8MLP(widths); "checkpointed": CheckpointedBlocks(widths[0], len(widths) - 1);
-    # "llama": a one-block FakeFP8Llama with LitGPT's rotary embedding (its inputs token ids)
+    # "mlp": FakeFP8MLP(widths); "checkpointed": CheckpointedBlocks; "llama": a one-block FakeFP8Llama with RoPE
+    model: str = "mlp"
 
     def options_of(self, rank: int) -> dict:
         """The ShardIntermediates options of rank ``rank``."""
@@ -68,11 +61,11 @@ def _model(cfg: RunConfig):
 class RunResult:
     losses: list[torch.Tensor]
     grads: list[dict[str, torch.Tensor]]  # per step: this rank's gradient shard of every parameter
-    saved_bytes: list[int]  # per step: measured with saved_tensors_hooks
+    saved_bytes: list[int]  # per step
     no_grad_output: torch.Tensor | None
     plans: list[ShardPlan]
-    traces: tuple[str, str] = ("", "")  # the executed forward and backward traces of the first step
-    step_plans: list[list[int]] = field(default_factory=list)  # per step: indices into plans made during its forward
+    traces: tuple[str, str] = ("", "")  # of the first step
+    step_plans: list[list[int]] = field(default_factory=list)  # per step: indices of the plans made during its forward
     reports: list[RunReport] = field(default_factory=list)  # what the run-time checks observed of each plan
 
 
@@ -123,8 +116,8 @@ def train(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
 
 
 def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
-    """FSDP2 (``fully_shard`` on every layer and on the model) compiled by ThunderFX, the pass in the backend's
-    transforms. Gradients are this rank's local shards of FSDP2's DTensor gradients (after its reduce-scatter)."""
+    """FSDP2 (``fully_shard`` on every layer and the model) compiled by ThunderFX with the pass; gradients are this
+    rank's local shards of FSDP2's gradients."""
     import torch._dynamo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -132,8 +125,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
 
     from thunder_fp8shard import ShardIntermediates
     torch._dynamo.reset()  # the other run of this process compiled the same code objects
-    # every layer, grad mode and dynamic shape is its own Dynamo graph of the one FakeFP8Linear.forward (Thunder's
-    # benchmark_litgpt raises the limit for FSDP2 too)
+    # every layer, grad mode and shape kind is its own Dynamo graph of one code object
     torch._dynamo.config.cache_size_limit = 64
     model = _model(cfg)
     shard = ShardIntermediates(**cfg.options_of(rank)).inject(**cfg.seams)
@@ -175,8 +167,7 @@ def train_fsdp2(rank: int, world_size: int, cfg: RunConfig) -> RunResult:
 
 
 def _batch(rank: int, step: int, batch, widths: tuple[int, ...]):
-    """This rank's data for one step (different on every rank), and the generator for anything drawn after it.
-    ``batch``: the batch size, or (batch size, sequence length) of token ids for ``model="llama"``."""
+    """This rank's data for one step, and the generator for anything drawn after it."""
     gen = torch.Generator().manual_seed(1000 * rank + step)
     if isinstance(batch, tuple):
         idx = torch.randint(0, LLAMA["vocab_size"], batch, generator=gen)
@@ -186,7 +177,7 @@ def _batch(rank: int, step: int, batch, widths: tuple[int, ...]):
 
 
 def train_with_and_without(rank: int, world_size: int, cfg: RunConfig) -> tuple[RunResult, RunResult]:
-    """The same run without the pass, then with it, in one process (one process start per rank instead of two)."""
+    """The same run without the pass, then with it, in one process."""
     from dataclasses import replace
 
     return train(rank, world_size, replace(cfg, use_pass=False)), train(rank, world_size, replace(cfg, use_pass=True))

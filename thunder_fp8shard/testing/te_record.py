@@ -1,26 +1,7 @@
-"""One rank's litgpt training run (:func:`thunder_fp8shard.testing.litgpt_run.run_rank`) that also records what
-TransformerEngine computed, for the bitwise tests of ``fp8_forward_gather`` (``tests/test_te_gpu.py::
-test_fp8_forward_all_gather_*``). Not part of the pass.
-
-Recorded, per rank, in call order:
-
-* every TE recipe state Thunder's executor creates (``RecipeState.create``, wrapped): its mode and, after the run,
-  its ``amax_history`` and ``scale`` (the MAX-all-reduced history holds every step's amax; the scale is the last
-  update's);
-* each TE linear forward (``BasicLinear._functional_forward``, wrapped: Thunder's TE executor looks it up at each
-  call, and so does ``fp8_forward_gather``'s ``fp8shard_te_linear_fwd``, which calls Thunder's implementation):
-  the weight's FP8 rowwise bytes as TE used them for the GEMM (``_data``; where TE already dropped it,
-  ``_transpose`` transposed back), digested, its ``_scale_inv`` (hex) and shape;
-* each TE linear backward (``_functional_backward``): the weight's ``_transpose`` (or ``_data``) as TE receives it,
-  digested, and its ``_scale_inv``.
-
-``recipe``: ``"default"`` leaves TE's recipe alone: outside ``te.autocast`` ``get_fp8_recipe`` returns a new
-``DelayedScaling()`` at every call on Hopper, so Thunder's executor makes new states every call and every cast uses
-scale 1; ``"persistent"`` sets one ``DelayedScaling()`` object as TE's process-wide recipe (what
-``FP8GlobalStateManager.get_fp8_recipe`` returns, so Thunder's checker and executor see it), so the states, their
-amax histories and scales carry over from step to step (casts with scales computed from earlier steps' amaxes);
-``"no_reduce_amax"`` sets ``DelayedScaling(reduce_amax=False)`` the same way.
-"""
+"""One rank's litgpt run that also records what TransformerEngine computed, for the bitwise tests of
+``fp8_forward_gather``: each recipe state's amax history and scale, and each TE linear's FP8 weight bytes and
+``_scale_inv``. ``recipe``: ``"default"`` leaves TE's recipe alone (a new one each call, scale 1); ``"persistent"``
+installs one ``DelayedScaling()`` so scales carry over; ``"no_reduce_amax"`` likewise without amax reduction."""
 
 from __future__ import annotations
 
@@ -101,8 +82,8 @@ def run_rank_recording_te(rank: int, world_size: int, cfg, recipe: str = "defaul
 
 
 def assert_te_records_equal(a: list[dict], b: list[dict], what: str) -> None:
-    """Every rank's TE states (amax histories, scales) and the FP8 weight bytes and scale-inverses TE used, bitwise
-    equal between two runs; each difference is named (rank, state or call, shape, the differing values)."""
+    """Every rank's TE states and the FP8 weight bytes and scale-inverses TE used, bitwise equal between two runs; each
+    difference is named."""
     for ra, rb in zip(a, b):
         r = ra["rank"]
         sa, sb = ra["te_states"], rb["te_states"]

@@ -1,17 +1,7 @@
-"""Small models whose saved-for-backward lists hold FP8 tensors, for the demo, the tests and the notebooks.
-
-Thunder 0.2.6 saves the float8 copies of a fake-FP8 linear only when the dequantize + matmul is recomputed in
-backward, so every layer runs under ``torch.utils.checkpoint``. The float8 copies are made without gradient and
-the gradient takes a straight-through path (``w + (dequant(wq) - w_nograd)``): a gradient that flowed through
-``.to(float8)`` would get a float8 cotangent that underflows to zero, and an exactness test would prove nothing.
-
-The models are written to be cheap for Thunder 0.2.6's interpreter, whose tracing is most of a test's time: torch
-functions rather than tensor methods and operators (``torch.mul(a, b)``, not ``a * b``: a method or an operator is
-looked up through the tensor proxy's attributes, several times slower to interpret) and, inside a
-block, its submodules' functions called on their parameters rather than the submodules themselves (each module call
-runs ``nn.Module.__call__``'s hook checks through the interpreter). The programs Thunder builds are the same (the
-same bound symbols); a block or an MLP layer is still called as a module, where FSDP2's hooks are.
-"""
+"""Small models whose saved-for-backward lists hold FP8 tensors. Thunder saves a fake-FP8 linear's float8 copies only
+when it is recomputed in backward, hence ``checkpoint``; the gradient goes straight through, as a float8 cotangent would
+underflow and prove nothing. Torch functions replace methods, operators and submodule calls, which Thunder's interpreter
+traces more slowly."""
 
 from __future__ import annotations
 
@@ -24,7 +14,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def _dequantized_linear(x, xq, x_scale, x_plain, w, wq, w_scale, w_plain, b):
-    # Values: dequant(xq) @ dequant(wq).T + b. Gradients: straight through to x and w (x - x_plain is exactly 0).
+    # values: dequant(xq) @ dequant(wq).T + b; gradients straight through (x - x_plain is exactly 0)
     x_eff = torch.add(x, torch.sub(torch.mul(xq.to(x.dtype), x_scale), x_plain))
     w_eff = torch.add(w, torch.sub(torch.mul(wq.to(w.dtype), w_scale), w_plain))
     return F.linear(x_eff, w_eff, b)
@@ -33,7 +23,7 @@ def _dequantized_linear(x, xq, x_scale, x_plain, w, wq, w_scale, w_plain, b):
 def fake_fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` on float8_e4m3fn copies of ``x`` and ``w`` with per-tensor scales, recomputed in backward."""
     with torch.no_grad():
-        # per-rank: derived from the rank's input; replicated: derived from the gathered weight
+        # x_scale is per-rank, w_scale replicated (from the gathered weight)
         x_scale = torch.true_divide(torch.clamp(torch.amax(torch.abs(x)), min=1e-12), FP8_MAX)
         w_scale = torch.true_divide(torch.clamp(torch.amax(torch.abs(w)), min=1e-12), FP8_MAX)
         xq = torch.true_divide(x, x_scale).to(torch.float8_e4m3fn)
@@ -51,7 +41,7 @@ class FakeFP8Linear(nn.Linear):
 
 
 class FakeFP8MLP(nn.Module):
-    """``FakeFP8Linear`` layers with GELU between them; widths are free, so numels need not divide the world size."""
+    """``FakeFP8Linear`` layers with GELU between; widths need not divide the world size."""
 
     def __init__(self, widths: tuple[int, ...] = (24, 64, 45, 7)):
         super().__init__()
@@ -59,7 +49,7 @@ class FakeFP8MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            # a module call where hooks wait for it (FSDP2's fully_shard of each layer), else the layer's function
+            # a module call where hooks wait for it (FSDP2), else the layer's function
             x = layer(x) if layer._forward_pre_hooks or layer._forward_hooks else _linear(layer, x)
             if i + 1 < len(self.layers):
                 x = F.gelu(x)
@@ -90,18 +80,15 @@ def _norm(m: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """LitGPT's rotary embedding (``litgpt.model.apply_rope``): its ``cat`` is what ``torch_compile_cat_ex`` claims."""
+    """LitGPT's rotary embedding: its ``cat`` is what ``torch_compile_cat_ex`` claims."""
     half = x.size(-1) // 2
     rotated = torch.cat((torch.neg(x[..., half:]), x[..., :half]), dim=-1)
     return torch.add(torch.mul(x, cos), torch.mul(rotated, sin))
 
 
 class LlamaBlock(nn.Module):
-    """A litgpt-style Llama block (RMSNorm, causal attention with a fused qkv projection, SwiGLU MLP) whose linear
-    layers are ``FakeFP8Linear``. With ``rope`` (LitGPT's attention as it is): the rotary embedding of the queries and
-    keys, ``torch.cat`` of the roped part and the rest as LitGPT writes it; under Thunder's ``torch_compile_cat_ex``
-    the qkv split, views and transposes and the RoPE are then one torch.compile region, which returns ``v`` as a view
-    of its input ``qkv`` (see :mod:`thunder_fp8shard.analysis.aliasing`). Without: no rotary embedding."""
+    """A litgpt-style Llama block with ``FakeFP8Linear`` layers; with ``rope``, LitGPT's attention, where one
+    torch.compile region returns ``v`` as a view of ``qkv``."""
 
     def __init__(self, n_embd: int, n_head: int, intermediate_size: int, rope: bool = False):
         super().__init__()
@@ -145,7 +132,7 @@ class FakeFP8Llama(nn.Module):
         self.norm = RMSNorm(n_embd)
         self.lm_head = FakeFP8Linear(n_embd, vocab_size, bias=False)
         self.rope = rope
-        if rope:  # LitGPT's rope cache: cos and sin of the roped half of a head, for every position up to block_size
+        if rope:  # LitGPT's rope cache for the roped half of a head, every position up to block_size
             half = n_embd // n_head // 2
             angles = torch.arange(block_size)[:, None] / (10000 ** (torch.arange(half) / half))
             self.register_buffer("cos", angles.cos(), persistent=False)
@@ -154,13 +141,13 @@ class FakeFP8Llama(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = F.embedding(idx, self.wte.weight)
         rope = (self.cos[: idx.shape[1]], self.sin[: idx.shape[1]]) if self.rope else ()
-        for block in self.blocks:  # module calls: FSDP2 (fully_shard on each block) hooks them
+        for block in self.blocks:  # module calls: FSDP2 hooks them
             x = block(x, *rope)
         return _linear(self.lm_head, _norm(self.norm, x))
 
 
 class PreNormBlock(nn.Module):
-    """``x + fc2(gelu(fc1(layer_norm(x))))``: plain ``nn.Linear`` layers, nothing FP8 (issue #33's model)."""
+    """``x + fc2(gelu(fc1(layer_norm(x))))``: plain ``nn.Linear`` layers, nothing FP8."""
 
     def __init__(self, d: int):
         super().__init__()
@@ -172,9 +159,8 @@ class PreNormBlock(nn.Module):
 
 
 class PreNormMLP(nn.Module):
-    """Pre-norm MLP blocks (LayerNorm, two ``nn.Linear`` a block) and a linear head, in full precision. Thunder saves
-    ``shallow_copy`` aliases of the parameters under DDP, the gathered weights under FSDP, and the LayerNorm weight
-    as an ``expand`` of its storage to the activation's shape."""
+    """Pre-norm MLP blocks and a head in full precision: Thunder saves parameter aliases, gathered weights and an
+    expanded LayerNorm weight."""
 
     def __init__(self, d: int = 32, n_blocks: int = 2):
         super().__init__()
@@ -188,9 +174,7 @@ class PreNormMLP(nn.Module):
 
 
 class FP8WeightLinear(torch.autograd.Function):
-    """``x @ dequant(quant(w)).T``, saving the float8 copy of ``w`` (and its scale) for backward, which upcasts it
-    again; the gradient of ``w`` is straight through (``g.T @ x``, in full precision: never a float8 cotangent). The
-    the example of docs/fp8_copies.md: a model that saves FP8 copies on the CPU."""
+    """``x @ dequant(quant(w)).T``, saving the float8 ``w`` with a straight-through gradient (docs/fp8_copies.md)."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -211,10 +195,8 @@ def _checkpointed_block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> 
 
 
 class CheckpointedBlocks(nn.Module):
-    """Square linear pairs, each pair under ``torch.utils.checkpoint`` (as a transformer's blocks under activation
-    checkpointing): the forward saves each block's input and its two (all-gathered) weights for the recompute, and
-    with wide layers and few rows the weights and their gradients outweigh the activations, as in a checkpointed
-    LLM."""
+    """Square linear pairs under ``checkpoint``: the forward saves the gathered weights for the recompute, which
+    outweigh the activations, as in a checkpointed LLM."""
 
     def __init__(self, width: int = 256, blocks: int = 4):
         super().__init__()

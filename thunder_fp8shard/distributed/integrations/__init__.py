@@ -1,17 +1,6 @@
-"""Integrations: how a distributed setup tells the pass its process group and which values are identical on every rank.
-
-Each integration is one small module with ``detect(compile_data, options) -> Integration | None``
-(:class:`~thunder_fp8shard.distributed.integrations.base.Integration`, what every integration returns). The pass asks them in
-:data:`INTEGRATIONS` order while compiling and uses the first that recognizes the compilation; the replication
-analysis then starts from the integration's *replicated roots*: the all-gathers over its group (always), plus the
-trace inputs it names (:meth:`Integration.replicated_inputs`). A new setup is one more module here.
-
-The process group is the setup's own (FSDP's, DDP's, FSDP2's shard group). Where a setup names none, the pass takes
-the ``group=`` option; where it names one, ``group=`` (if given) must span the same ranks. A setup whose replicated
-values are identical on more ranks than its group's (FSDP2 HSDP: the whole mesh, its group the mesh's shard dimension)
-names them in :attr:`Integration.replica_ranks`; ``shard_group_size`` partitions those (see
-:mod:`thunder_fp8shard.distributed.shard_groups`).
-"""
+"""How a distributed setup tells the pass its process group and which values are identical on every rank. Each module's
+``detect`` returns an :class:`Integration` or None; the first match wins. The replication analysis starts from the
+all-gathers over its group plus the inputs it names."""
 
 from __future__ import annotations
 

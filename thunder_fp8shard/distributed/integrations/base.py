@@ -1,6 +1,5 @@
-"""What every integration returns: :class:`Integration`, a recognized distributed setup; and :func:`group_of`, the
-process group Thunder's ``fsdp``/``ddp`` record. Imported by each integration module and re-exported by
-:mod:`thunder_fp8shard.distributed.integrations`."""
+""":class:`Integration`, what every integration returns, and :func:`group_of`, the group Thunder's ``fsdp``/``ddp``
+record."""
 
 from __future__ import annotations
 
@@ -15,23 +14,21 @@ from thunder.core.trace import TraceCtx
 class Integration:
     """A recognized distributed setup."""
 
-    name: str  # shown in the plan, e.g. "Thunder FSDP (ZeRO-3)"
-    # the setup's process group: its all-gathers are replicated roots, the replicated values are identical over its
-    # ranks (and over ``replica_ranks`` where given), and the shards travel on it by default
+    name: str  # shown in the plan
+    # replicated values are identical over its ranks (or ``replica_ranks``); the default shard group
     group: object
     replicated_inputs: Callable[[TraceCtx], frozenset[str]] = lambda trace: frozenset()
-    # why the other trace inputs are per-rank, where the setup knows better than "the rank's input"
+    # why the other inputs are per-rank, where the setup knows better than "the rank's input"
     input_reasons: Callable[[TraceCtx], Mapping[str, str]] = lambda trace: {}
     notes: tuple[str, ...] = field(default=())  # what the plan should say about this setup
-    # the global ranks the replicated values are identical on, in order, where more than ``group``'s (FSDP2 HSDP: the
-    # whole mesh); None: ``group``'s
+    # where more than ``group``'s ranks hold the replicated values (FSDP2 HSDP: the whole mesh)
     replica_ranks: tuple[int, ...] | None = None
-    # ZeRO-2: the setup keeps the gathered weights for backward on purpose (candidates="auto" leaves them gathered)
+    # ZeRO-2 keeps the gathered weights on purpose
     keeps_gathered: bool = False
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """The global ranks the replicated values are identical on: what ``shard_group_size`` partitions."""
+        """The global ranks replicated values are identical on: what ``shard_group_size`` partitions."""
         return self.replica_ranks or tuple(dist.get_process_group_ranks(self.group))
 
     @property
@@ -40,8 +37,7 @@ class Integration:
 
 
 def group_of(compile_data, flag: str):
-    """The process group Thunder's ``fsdp``/``ddp`` recorded in the compile data when ``compile_data.<flag>`` is
-    set (``use_fsdp``, ``use_ddp``), else None."""
+    """The process group Thunder's ``fsdp``/``ddp`` recorded when ``compile_data.<flag>`` is set, else None."""
     if compile_data is None or not getattr(compile_data, flag, False):
         return None
     return getattr(compile_data, "process_group_for_ddp", None)

@@ -1,63 +1,17 @@
-"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) under ThunderFX (``torch.compile(backend=ThunderCompiler(
-transforms=[ShardIntermediates()]))``): the replicated roots are the subgraph inputs that are FSDP2's unsharded
-parameters; the shards travel on FSDP2's shard process group.
+"""PyTorch FSDP2 (``fully_shard``) under ThunderFX: the replicated roots are the subgraph inputs that are FSDP2's
+unsharded parameters; the shards travel on FSDP2's shard group. Dynamo skips FSDP2's hooks, so each ``fully_shard``-ed
+module's forward is its own graph, and each part ThunderFX hands to ``thunder.jit`` is planned on its own.
 
-How the pieces fit. Dynamo does not trace FSDP2's hooks (``torch._dynamo.config.skip_fsdp_hooks``, on by default):
-the hooks run eagerly and the forward of each ``fully_shard``-ed module becomes its own graph (a graph break at each
-module boundary), whether the whole model is compiled (as Thunder's ``benchmark_litgpt.py --distributed_mode=fsdp2
---compile=dynamo_thunder`` does) or each block (``block.compile(backend=...)``, torchtitan's way). ThunderFX hands
-each graph's supported part to ``thunder.jit``; each such subgraph is one Thunder compilation with its own forward and
-backward, planned and rewritten on its own. Dynamo lifts the module's parameters into graph inputs.
+Soundness: FSDP2's pre-forward hook all-gathers each parameter into its ``_unsharded_param``, which the forward reads.
+An input is a root only when Dynamo's recorded tensor (``grapharg``) *is* that of a live FSDP2 parameter in the
+unsharded state; Dynamo's guards and ``fully_shard``'s own classes keep other layers off the graph. Not covered: one
+class and shape sharded over two meshes would share a graph (``verify=True`` detects it). Under HSDP, parameters are
+identical across the mesh given identical initial weights, which ``fully_shard`` assumes; a shard group run longer than
+FSDP2's relies on that (the plan says so).
 
-Why those inputs are identical on every rank. FSDP2's pre-forward hook runs before the compiled forward: it
-all-gathers every parameter shard of the module over the shard group and copies the result into the parameter's
-unsharded ``nn.Parameter`` (``FSDPParam._unsharded_param``), which it installs on the module; the compiled forward
-reads the module's parameters, so the tensor entering the subgraph is that all-gathered parameter: the same bytes on
-every rank of the group (mixed precision casts the shard before the all-gather). The pass proves this per input, not
-by name: Dynamo records the real tensor behind each graph input (``node.meta["grapharg"]``), and an input is a root
-only when it *is* (``is``) the ``_unsharded_param`` of a live FSDP2 parameter found through FSDP2's module states, in
-the unsharded state, while the subgraph is compiled. Every other input (activations, parameters FSDP2 does not manage,
-inputs whose real tensor Dynamo no longer holds) is per-rank, with the reason in the plan. The proof is made for the
-module Dynamo compiled the graph for; Dynamo reuses the graph only for modules that pass its guards, and
-``fully_shard`` gives its modules a class of their own (``FSDP<Name>``), so a layer FSDP2 does not manage never runs
-an FSDP2 layer's graph (checked: it gets its own graph, refused). Not covered: layers of one class and shapes sharded
-over two different meshes would share one graph whose shards travel on the first mesh's group; ``verify=True``
-detects that at run time.
-
-HSDP (``fully_shard(..., mesh=mesh)`` with a 2-D mesh, replicate x shard, as ``init_device_mesh(device, (nodes,
-gpus_a_node), mesh_dim_names=("replicate", "shard"))`` makes it): FSDP2 all-gathers each parameter over the mesh's
-shard dimension (``HSDPMeshInfo.shard_process_group``, the group the roots are proven on) and all-reduces the
-reduce-scattered gradients over the replicate dimension, so every replica updates the same parameters with the same
-gradients: the unsharded parameters are identical across the whole mesh, given identical initial weights on every
-replica, which ``fully_shard`` assumes (it does not broadcast). The setup's group is the shard group, so the shards
-default to the mesh's shard dimension (intra-node in that layout); ``shard_group_size=k`` partitions the whole mesh in
-mesh order (row-major: each shard group is a run of consecutive ranks). A run within one shard group (k dividing the
-shard dimension) is proven identical by the all-gather; a longer run relies on the replicas' identity (the plan says
-so; ``verify=True`` checks it at run time).
-
-Backward. The pass only replaces saved intermediates (e.g. the FP8 copies of those parameters) by shards and
-all-gathers them back inside the subgraph's backward; the gradients the subgraph returns for the unsharded parameters
-are bitwise those of the run without the pass, so FSDP2's post-backward reduce-scatter (its own hooks, outside the
-subgraph) sees the same gradients. FSDP2 re-gathers the unsharded parameters themselves before the backward (with
-``reshard_after_forward=True``); they are subgraph inputs, which the pass never shards.
-
-Dynamo compiles a layer's forward once per grad mode and shape kind (static, then dynamic), all on one code object
-when the layers share a class: past ``torch._dynamo.config.cache_size_limit`` (8) it silently runs the rest eagerly,
-where the pass does not see them. Raise the limit (Thunder's benchmark_litgpt sets 64 for FSDP2). Under torch 2.11
-Dynamo inlines the built-in modules and reuses one graph for every block of the same class and shapes: one Thunder
-compilation, hence one plan, serves all of them, and runs once a block a step. The pass counts those runs at run time
-(its run report's ``runs_per_step``, see :mod:`thunder_fp8shard.runtime.audit`); a step's totals are each plan times its runs.
-
-Each plan sees one subgraph, not the step: its predicted peak is that subgraph's program in the memory the step runs
-in. So ``policy="peak"`` and ``policy="budget"``, which need the step's peak, are refused here with a clear error;
-``policy="all"`` shards every sound candidate and compacts where a copy frees more than it copies.
-
-Detection and the process group: a compilation is this setup when its function is a Dynamo graph (placeholders with
-``grapharg`` metadata). The group is the shard group of the FSDP2 parameters entering it (``group=`` may name it too
-and must then span the same ranks). A subgraph without any FSDP2 parameter (e.g. Dynamo split a block between two
-graphs) names no group: the pass then needs ``group=`` and shards nothing there (no roots), saying so in the plan;
-without ``group=`` it raises.
-"""
+Subgraph inputs are never sharded, so gradients and FSDP2's reduce-scatter are unchanged. One graph may serve several
+blocks (``runs_per_step``) and no plan sees the step, so ``policy="peak"`` and ``"budget"`` are refused. Past Dynamo's
+``cache_size_limit`` layers run eagerly, unseen: raise it."""
 
 from __future__ import annotations
 
@@ -78,7 +32,7 @@ USAGE = (
 
 @dataclass(frozen=True)
 class _Input:
-    tensor: torch.Tensor | None  # the real tensor Dynamo recorded for this graph input, if it still holds it
+    tensor: torch.Tensor | None  # the real tensor Dynamo recorded, if it still holds it
     source: str
 
 
@@ -97,7 +51,7 @@ def dynamo_inputs(fn) -> dict[str, _Input] | None:
             continue
         try:
             example = arg.example
-        except Exception:  # noqa: BLE001  (a weak reference that died, or an erased grapharg)
+        except Exception:  # noqa: BLE001 (a dead weak reference, or an erased grapharg)
             example = None
         out[n.name] = _Input(example if isinstance(example, torch.Tensor) else None, _source_name(arg.source))
     return out
@@ -112,16 +66,15 @@ def _source_name(source) -> str:
 
 @dataclass(frozen=True)
 class _Owner:
-    """Where FSDP2 keeps an unsharded tensor identical: its parameter group's shard process group and mesh."""
+    """Where FSDP2 keeps an unsharded tensor identical: its parameter group's shard group and mesh."""
 
     group: object  # FSDP2's shard process group: the all-gather that made the tensor
     mesh_shape: tuple[int, ...]  # (shard,) or, under HSDP, (replicate, shard)
-    mesh_ranks: tuple[int, ...]  # the mesh's global ranks, in mesh order (row-major: replicate outer, shard inner)
+    mesh_ranks: tuple[int, ...]  # in mesh order (row-major: replicate outer, shard inner)
 
 
 def unsharded_parameters() -> dict[int, _Owner]:
-    """id(unsharded parameter) -> its owner, for every live FSDP2 parameter that is currently unsharded
-    (all-gathered)."""
+    """id(unsharded parameter) -> its owner, for every live FSDP2 parameter currently unsharded."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -174,7 +127,7 @@ def detect(cd, options):
                 "is sharded (the group is the group= option)")
         return Integration(f"{NAME}, subgraph without FSDP2 parameters", options.group,
                            input_reasons=lambda trace: _reasons(trace, inputs, {}, set()), notes=(note, SUBGRAPH_NOTE))
-    first = next(iter(found.values()))  # group= must span its shard group's ranks (checked by integrations.detect)
+    first = next(iter(found.values()))  # group= must span its shard group's ranks (integrations.detect checks)
     roots = {name for name, o in found.items() if o.group is first.group and o.mesh_ranks == first.mesh_ranks}
     hsdp = len(first.mesh_shape) == 2
     return Integration(

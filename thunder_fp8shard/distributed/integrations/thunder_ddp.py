@@ -1,8 +1,6 @@
-"""Thunder's DDP (``thunder.distributed.ddp``): the parameters are identical on every rank (broadcast when the model is
-wrapped, then updated with all-reduced gradients), so the replicated roots are the trace inputs that DDP marks
-``REPLICATED``; the shards travel on DDP's process group. That is DDP's contract: with ``ddp(...,
-broadcast_from=None)`` identical starting weights are the caller's promise, which ``verify=True`` checks.
-"""
+"""Thunder's DDP: the parameters are identical on every rank (broadcast at wrapping, then updated with all-reduced
+gradients), so the roots are the inputs DDP marks ``REPLICATED``. With ``broadcast_from=None`` identical starting
+weights are the caller's promise, which ``verify=True`` checks."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Thunder's FSDP (``FSDPTransform`` / ``thunder.distributed.fsdp``): the replicated roots are the all-gathers of the
-parameter shards over FSDP's process group (the replication analysis recognizes them by their group).
-
-In Thunder 0.2.6 ZeRO-2 and ZeRO-3 give identical traces: the gathered weights are saved for backward in both. Under
-ZeRO-2 the pass still re-gathers the FP8 copies it shards; the full-precision gathered weights stay gathered, as
-ZeRO-2 asks, unless ``candidates="all"`` shards them too.
-"""
+"""Thunder's FSDP: the replicated roots are the all-gathers of the parameter shards over FSDP's group. ZeRO-2 and ZeRO-3
+give identical traces; under ZeRO-2 the full-precision gathered weights stay gathered unless ``candidates="all"``."""
 
 from __future__ import annotations
 
