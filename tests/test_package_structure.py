@@ -1,10 +1,13 @@
 """The package's layout: its modules import one another without a circle, the pass does not import its test support
-(``thunder_fp8shard.testing``), and the README's "How it works" names every file of the package and only those."""
+(``thunder_fp8shard.testing``), the README's "How it works" names every file of the package and only those, and
+comments and docstrings are a quarter of it at most."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import networkx as nx
@@ -110,3 +113,22 @@ def test_the_transform_runs_the_stages_only_through_compile_plan():
               if any(m == f"thunder_fp8shard.{s}" or m.startswith(f"thunder_fp8shard.{s}.") for s in stages)]
     assert direct == [] and graph.has_edge("thunder_fp8shard.transform", "thunder_fp8shard.pipeline")
     assert "thunder_fp8shard.transform" not in nx.descendants(graph, "thunder_fp8shard.pipeline")
+
+
+def comment_share(root: Path = PACKAGE) -> float:
+    """The share of the package's characters in comments and in the docstrings of its modules, classes and functions."""
+    total = comments = 0
+    for path in root.rglob("*.py"):
+        source = path.read_text()
+        total += len(source)
+        comments += sum(len(tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                        if tok.type == tokenize.COMMENT)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                comments += len(ast.get_docstring(node, clean=False) or "")
+    return comments / total
+
+
+def test_comments_and_docstrings_are_at_most_a_quarter_of_the_package():
+    # a docstring says what and why, once; figures live in benchmarks/results
+    assert comment_share() <= 0.25, f"{comment_share():.1%}"
