@@ -242,18 +242,18 @@ def stale(root: Path = ROOT) -> list[str]:
     return [page for page, text in rendered(root).items() if (root / page).read_text() != text]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is not what the JSONs give")
     args = p.parse_args(argv)
     if args.check:
-        old = stale()
+        old = stale(root)
         for page in old:
             print(f"{page} is stale: run python benchmarks/results_tables.py", file=sys.stderr)
         return 1 if old else 0
-    for page, text in rendered().items():
-        if (ROOT / page).read_text() != text:
-            (ROOT / page).write_text(text)
+    for page, text in rendered(root).items():
+        if (root / page).read_text() != text:
+            (root / page).write_text(text)
             print(f"wrote {page}")
     return 0
 
