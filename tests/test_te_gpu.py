@@ -331,7 +331,7 @@ def test_llama_te_device_peak_falls_as_planned_under_the_fake_process_group(setu
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# fp8_forward_gather (issue #32, stage A; docs/fp8_forward_gather.md §4.2). The first two tests run the pass's own
+# fp8_forward_gather (issue #32; docs/fp8_forward_gather.md). The first two tests run the pass's own
 # run-time operators (thunder_fp8shard.runtime.fp8_gather_ops) for N simulated ranks in one process, the all-gather being a
 # concatenation (_LocalGroup); the others train the tiny Llama on two gloo ranks, or simulate rank 0 of 8.
 

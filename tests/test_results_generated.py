@@ -1,0 +1,71 @@
+"""Results as data: README.md's headline table and docs/results.md's tables are what ``benchmarks/results_tables.py``
+makes of the committed JSONs; the markdown outside ``benchmarks/results/`` stays short, and no tracked page or
+notebook holds a path of someone's machine."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import results_tables  # noqa: E402
+
+MARKDOWN_LIMIT = 80_000  # bytes, every tracked .md outside benchmarks/results/
+# a home, work or scratch folder of a machine; a bare "/tmp" or "$TMPDIR" in prose is not one
+MACHINE_PATH = re.compile(r"(?<![\w.$-])/(?:work|home|Users|root|scratch|mnt|tmp)/[\w.-]")
+
+
+def tracked(*patterns: str) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z", "--", *patterns], cwd=ROOT, capture_output=True, check=True)
+    return [ROOT / p for p in out.stdout.decode().split("\0") if p]
+
+
+def test_the_results_tables_are_what_the_jsons_give():
+    stale = results_tables.stale()
+    assert stale == [], f"{stale}: run python benchmarks/results_tables.py (the JSONs give other tables)"
+    assert results_tables.main(["--check"]) == 0
+
+
+def test_the_check_names_a_stale_page(tmp_path, capsys):
+    for page in results_tables.PAGES:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text((ROOT / page).read_text())
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "results").symlink_to(ROOT / "benchmarks" / "results")
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text().replace("+4.14% [+3.80, +4.60]", "+1.00% [+0.90, +1.10]"))
+    assert results_tables.stale(tmp_path) == ["README.md"]
+    assert results_tables.main(["--check"], root=tmp_path) == 1
+    assert "README.md is stale" in capsys.readouterr().err
+    assert results_tables.main([], root=tmp_path) == 0  # rewritten from the JSONs
+    assert results_tables.stale(tmp_path) == [] and readme.read_text() == (ROOT / "README.md").read_text()
+
+
+def test_the_headline_reads_s16s_files():
+    text = results_tables.headline(ROOT)
+    assert "| FP8 (TE), the default, launch a | +4.14% [+3.80, +4.60] | 356.0 | −0.03% [−0.53, +0.32] | " \
+           "46.18 → 38.41 (−7.77) | −0.29% |" in text
+    assert "| bf16, checkpointed blocks, the default | memory only |  |  | 31.74 → 19.00 (−12.74) | +0.18% |" in text
+
+
+def test_markdown_outside_the_results_is_at_most_80_kb():
+    pages = [p for p in tracked("*.md") if not p.relative_to(ROOT).as_posix().startswith("benchmarks/results/")]
+    sizes = {p.relative_to(ROOT).as_posix(): p.stat().st_size for p in pages}
+    assert sum(sizes.values()) <= MARKDOWN_LIMIT, f"{sum(sizes.values()):,} B of markdown: {sorted(sizes.items())}"
+
+
+def test_the_machine_path_pattern():
+    for path in ["/work/main/.venv/lib/python3.11/site-packages/x.py", "/home/me/repo", "see /tmp/acc.json",
+                 "(/Users/a/b)"]:
+        assert MACHINE_PATH.search(path), path
+    for text in ["`/usr/bin/python3.11`", "$TMPDIR/x", "benchmarks/work/x", "a/tmp/b", "~/.cache", "https://x.org/home/a"]:
+        assert not MACHINE_PATH.search(text), text
+
+
+def test_no_tracked_page_or_notebook_holds_a_machine_path():
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:120]}"
+             for p in tracked("*.md", "*.ipynb", "docs/*")
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if MACHINE_PATH.search(line)]
+    assert not found, "machine paths:\n" + "\n".join(found)
