@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The sittings of 2026-12-02 on one H200 (simulated ranks): every job in the background, results under $R,
-# collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found:
-# benchmarks/results/h200_2026-12-02/NOTES.md (s1, s2) and h200_2026-12-02b/NOTES.md (s3, s4). Usage, on the device
-# machine, after `source .dev-whl/device-setup.sh` (s3 and s4's "old" arm: carry .rev/, see OLD below):
-#   benchmarks/device_sitting.sh start s1   # launches sitting s1's jobs (returns at once); s2, s3, s4 likewise
+# The device sittings on one H200 (simulated ranks), s1 to s16: every job in the background, results under $R,
+# collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
+# NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
+# `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
+#   benchmarks/device_sitting.sh start s16  # launches sitting s16's jobs (returns at once); any sitting likewise
 #   benchmarks/device_sitting.sh collect    # waits up to $WAIT seconds for them, then tars what exists into $OUT
 # The jobs of a sitting compile side by side but time alone: every paired run removes its file under $R/busy when
 # its arms are built, waits until that folder is empty (nothing else compiling or running) and takes $R/gpu.lock
