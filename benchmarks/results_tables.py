@@ -49,6 +49,11 @@ def run(prefix: str, arm: str, label: str, *, null: str | None = "null", accurac
                f"{prefix}_accuracy_{arm}.json" if accuracy else None, memory_only)
 
 
+def memory_run(prefix: str, arm: str, label: str) -> Row:
+    """A row of ``run``'s files whose times are no evidence: no null, only memory shown."""
+    return run(prefix, arm, label, null=None, memory_only=True)
+
+
 @dataclass(frozen=True)
 class Sitting:
     name: str
@@ -62,13 +67,13 @@ HEADLINE = Sitting("s16", "h200_2026-12-03d/NOTES.md", (
     run(f"{S16}_fp8_l32_n8_b", "default", "FP8 (TE), the default, launch b"),
     run(f"{S16}_fp8_l32_n8_a", "fwdgather", "FP8 (TE), `fp8_forward_gather=True`, beside launch a"),
     run(f"{S16}_bf16_l32_n8", "default", "bf16, the default"),
-    run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default", null=None,
-        memory_only=True),
-    run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default", null=None, memory_only=True),
+    memory_run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default"),
+    memory_run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default"),
 ))
 
-S13, S12, S11 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-12-03b/s11"
-S4, S6 = "h200_2026-12-02b", "h200_2026-12-02c"
+S13, S12, S11, S9 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-12-03b/s11", "h200_2026-12-03/s9"
+S7 = "h200_2026-12-02d"
+S4, S56 = "h200_2026-12-02b", "h200_2026-12-02c"  # s3 and s4; s5 and s6
 OLDER = (
     Sitting("s13", "h200_2026-12-03c/NOTES.md", (
         run(f"{S13}/paired_fp8_l32_n8_s13", "default", "FP8, the default of then (`reschedule` off), third launch"),
@@ -81,35 +86,30 @@ OLDER = (
     )),
     Sitting("s12", "h200_2026-12-03b/NOTES.md", (
         run(f"{S12}/paired_bf16_l32_n8_own", "all", 'bf16, `"all"` with own shards'),
-        run(f"{S12}/ckpt_resched_bf16_l32_n8", "all", 'bf16 checkpointed, `"all"`', null=None, memory_only=True),
-        run(f"{S12}/ckpt_resched_bf16_l32_n8", "resched", 'bf16 checkpointed, `"all"`, `reschedule=True`',
-            null=None, memory_only=True),
+        memory_run(f"{S12}/ckpt_resched_bf16_l32_n8", "all", 'bf16 checkpointed, `"all"`'),
+        memory_run(f"{S12}/ckpt_resched_bf16_l32_n8", "resched", 'bf16 checkpointed, `"all"`, `reschedule=True`'),
     )),
     Sitting("s11", "h200_2026-12-03b/NOTES.md", (
-        run(f"{S11}/ckpt_resched_fp8_l32_n8", "all", 'FP8 checkpointed, `"all"`', null=None, memory_only=True),
-        run(f"{S11}/ckpt_resched_fp8_l32_n8", "resched", 'FP8 checkpointed, `"all"`, `reschedule=True`',
-            null=None, memory_only=True),
+        memory_run(f"{S11}/ckpt_resched_fp8_l32_n8", "all", 'FP8 checkpointed, `"all"`'),
+        memory_run(f"{S11}/ckpt_resched_fp8_l32_n8", "resched", 'FP8 checkpointed, `"all"`, `reschedule=True`'),
     )),
     Sitting("s9", "h200_2026-12-03/NOTES.md", (
-        run("h200_2026-12-03/s9/fp8_l32_n8_memory", "default", "FP8, the default of then (`fp8_forward_gather` on)",
-            null=None, memory_only=True),
-        run("h200_2026-12-03/s9/fp8_l32_n8_memory", "bf16gather", "FP8, `fp8_forward_gather=False`", null=None,
-            memory_only=True),
+        memory_run(f"{S9}/fp8_l32_n8_memory", "default", "FP8, the default of then (`fp8_forward_gather` on)"),
+        memory_run(f"{S9}/fp8_l32_n8_memory", "bf16gather", "FP8, `fp8_forward_gather=False`"),
     )),
     Sitting("s7", "h200_2026-12-02d/NOTES.md", (
-        run("h200_2026-12-02d/ckpt_fp8_l32_n8", "default", "FP8 checkpointed, the default of then (nothing sharded)",
-            null=None, memory_only=True),
-        run("h200_2026-12-02d/ckpt_fp8_l32_n8", "all", 'FP8 checkpointed, `"all"`', null=None, memory_only=True),
-        run("h200_2026-12-02d/ckpt_bf16_l32_n8", "all", 'bf16 checkpointed, `"all"`', null=None, memory_only=True),
+        memory_run(f"{S7}/ckpt_fp8_l32_n8", "default", "FP8 checkpointed, the default of then (nothing sharded)"),
+        memory_run(f"{S7}/ckpt_fp8_l32_n8", "all", 'FP8 checkpointed, `"all"`'),
+        memory_run(f"{S7}/ckpt_bf16_l32_n8", "all", 'bf16 checkpointed, `"all"`'),
     )),
     Sitting("s6", "h200_2026-12-02c/NOTES.md", (
-        run(f"{S6}/paired_fp8_l32_n8_fwd", "fwdgather", "FP8, `fp8_forward_gather` (two operators), launch 1"),
-        run(f"{S6}/paired_fp8_l32_n8_fwd_again", "fwdgather", "the same, launch 2"),
-        run(f"{S6}/paired_fp8_l32_n8_fwd", "default", "FP8, without it, launch 1"),
-        run(f"{S6}/paired_fp8_l32_n8_fwd_again", "default", "FP8, without it, launch 2"),
+        run(f"{S56}/paired_fp8_l32_n8_fwd", "fwdgather", "FP8, `fp8_forward_gather` (two operators), launch 1"),
+        run(f"{S56}/paired_fp8_l32_n8_fwd_again", "fwdgather", "the same, launch 2"),
+        run(f"{S56}/paired_fp8_l32_n8_fwd", "default", "FP8, without it, launch 1"),
+        run(f"{S56}/paired_fp8_l32_n8_fwd_again", "default", "FP8, without it, launch 2"),
     )),
     Sitting("s5", "h200_2026-12-02c/NOTES.md", (
-        run(f"{S6}/paired_bf16_l32_n8_again", "all", 'bf16, `"all"`, second launch'),
+        run(f"{S56}/paired_bf16_l32_n8_again", "all", 'bf16, `"all"`, second launch'),
     )),
     Sitting("s4", "h200_2026-12-02b/NOTES.md", (
         run(f"{S4}/paired_fp8_l32_n8_curve", "default", "FP8, the default of then (43 calls a step)"),
