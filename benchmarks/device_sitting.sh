@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s16: every job in the background, results under $R,
+# The device sittings on one H200 (simulated ranks), s1 to s17: every job in the background, results under $R,
 # collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
 # NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -260,6 +260,20 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
+# 2026-12-03, fifth session: where the default's CPU a step goes outside the pass's operators (issue #43): every
+# function's own time under cProfile, and one profiled iteration, at 8 layers (not timed alone: no evidence of time)
+cprof() {  # name, flags...
+  local name=$1; shift
+  mkdir -p "$R/traces/$name"
+  python3 benchmarks/paired.py --simulate 8 --one-model --timed 8 --warmup-quads 1 --decompose-iters 3 --cprofile 3 \
+    --profile --profile-arms without,default --trace-dir "$R/traces/$name" --arms "$DEFAULT_ARMS" \
+    --out "$R/paired/$name" -- "$@" > "$R/logs/$name.log" 2>&1
+  echo "$name rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
+cprof_fp8_8() { cprof cprof_fp8_l8_n8 $FLAGS $FP8 --n_layers=8; }
+cprof_bf16_8() { cprof cprof_bf16_l8_n8 $FLAGS --n_layers=8; }
+
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
   # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
@@ -268,7 +282,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms cprof fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -304,7 +318,9 @@ case "${1:-}" in
       s15) launch te_cost_then_decompose_2; echo 1 > "$R/logs/expected" ;;
       s16) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_a fp8_b ckpt_fp8_mem bf16_a ckpt_bf16_mem
         echo 6 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s15"; exit 2 ;;
+      # 2026-12-03, fifth session: the default's CPU by Python function, FP8 and bf16, 8 layers
+      s17) launch cprof_fp8_8 cprof_bf16_8; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s17"; exit 2 ;;
     esac
     echo started ;;
   collect)

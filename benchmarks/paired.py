@@ -368,6 +368,33 @@ def operator_cpu(arms: list[Arm], drawn: list, args) -> dict:
                               "names_wrapped": max(wrapped[a.name])} for a in arms}}
 
 
+def python_profile(arms: list[Arm], drawn: list, args, top: int = 400) -> dict:
+    """``--cprofile K``: K rounds of one iteration of each arm in turn under ``cProfile`` (one profiler an arm,
+    enabled around its iterations alone), after everything else. Per arm: the ``top`` functions by own time, each
+    ``[calls, own ms, cumulative ms]`` a step, keyed ``file:line(function)``; Python-level, so Thunder's generated
+    programs, the pass's operators and every torch call made from Python each have a row (``cprofile_diff.py``
+    compares two arms)."""
+    import cProfile
+    import pstats
+
+    profs = {a.name: cProfile.Profile() for a in arms}
+    for i in range(args.cprofile):
+        for arm in arms if i % 2 == 0 else arms[::-1]:
+            if args.one_model:
+                _activate(arms[0], arm)
+            profs[arm.name].enable()
+            step(arm.bench, drawn[i % len(drawn)])
+            profs[arm.name].disable()
+    out = {}
+    for name, prof in profs.items():
+        stats = pstats.Stats(prof).stats
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        out[name] = {f"{os.path.basename(f)}:{line}({fn})": [nc / args.cprofile, tt * 1e3 / args.cprofile,
+                                                              ct * 1e3 / args.cprofile]
+                     for (f, line, fn), (cc, nc, tt, ct, _) in rows}
+    return {"iterations": args.cprofile, "arms": out}
+
+
 # ---- the results ----------------------------------------------------------------------------------------------------
 
 
@@ -516,6 +543,8 @@ def run(args, flags: list[str]) -> list[dict]:
     with exclusive(args.gpu_lock, args.busy):
         records = alternate(torch, arms, drawn, gc_log, args)
         op_cpu = operator_cpu(arms, drawn, args) if args.decompose_iters > 0 else None
+        if args.cprofile > 0:
+            op_cpu = dict(op_cpu or {}, cprofile=python_profile(arms, drawn, args))
         profile = None
         if args.profile:
             before = {a.name: (lambda a=a: _activate(arms[0], a)) for a in arms} if args.one_model else None
@@ -564,6 +593,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="after the timed iterations, K rounds of one iteration of each arm with the pass's operators "
                         "and Thunder's it replaces timed in the compiled programs: the JSON's op_cpu, pass_cpu and "
                         "pass_cpu_ms_per_step (benchlib/op_timer.py; 0: none)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="K",
+                   help="last, K rounds of one iteration of each arm under cProfile: the JSON's op_cpu.cprofile, "
+                        "each arm's functions by own time a step (benchmarks/cprofile_diff.py compares two arms)")
     p.add_argument("--comm-stream", action="store_true",
                    help="with --simulate on CUDA: the pass's all-gathers run as ProcessGroupNCCL runs them, on a "
                         "stream of their own (otherwise the simulated all-gather writes on the compute stream)")
