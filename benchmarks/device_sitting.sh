@@ -318,8 +318,8 @@ case "${1:-}" in
       s15) launch te_cost_then_decompose_2; echo 1 > "$R/logs/expected" ;;
       s16) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_a fp8_b ckpt_fp8_mem bf16_a ckpt_bf16_mem
         echo 6 > "$R/logs/expected" ;;
-      # 2026-12-03, fifth session: the default's CPU by Python function, FP8 and bf16, 8 layers
-      s17) launch cprof_fp8_8 cprof_bf16_8; echo 2 > "$R/logs/expected" ;;
+      # 2026-12-03, fifth session: the default's CPU by Python function, FP8 and bf16, 8 layers; the TE calls' CPU
+      s17) launch cprof_fp8_8 cprof_bf16_8 te_cost; echo 3 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s1|...|s17"; exit 2 ;;
     esac
     echo started ;;
