@@ -147,6 +147,19 @@ def main() -> None:
     r["fp8shard_gather_start of that bucket (fake group)"] = start_us
     for name, us in r.items():
         print(f"{us:9.2f} us  {name}")
+    import cProfile
+    import pstats
+
+    for what, fn in (("fp8shard_shard with its bucket's 5 saved Float8Tensors built", lambda: ops._shard((saved(),), spec)),
+                     ("a shard op, a start and fp8shard_gather_next", gather_next)):
+        prof = cProfile.Profile()
+        sync()
+        prof.enable()
+        for _ in range(args.repeat):
+            fn()
+        prof.disable()
+        print(f"\ncProfile of {args.repeat} calls of {what} (own time):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"kind": "te_call_cost", "device": torch.cuda.get_device_name(), "world_size": n,
