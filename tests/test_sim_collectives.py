@@ -19,7 +19,8 @@ def _writes(fn) -> list[str]:
     """The operators ``fn`` runs that write (in-place aten ops, and the fake group's own c10d ops), in order."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return [e.name for e in prof.events() if e.name.startswith(("aten::", "c10d::")) and e.name.endswith("_")]
+    return [e.name for e in prof.events() if e.name.startswith(("aten::", "c10d::"))
+            and (e.name.endswith("_") or e.name == "aten::cat")]
 
 
 def _collectives(rank, world_size):
@@ -34,6 +35,11 @@ def _collectives(rank, world_size):
         "all_reduce": lambda: dist.all_reduce(amax, op=dist.ReduceOp.MAX),
         "allgather_base": lambda: group._allgather_base(out, inp, AllgatherOptions()),
     }
+    # a bucket's coalesced all-gather as the pass issues it: outputs in order in one buffer, gaps between them
+    ins = [torch.arange(3, dtype=torch.uint8) + 1, torch.arange(5, dtype=torch.uint8) + 7]
+    buf = torch.full((3 * n + 4 + 5 * n,), 255, dtype=torch.uint8)
+    outs = [buf[: 3 * n], buf[3 * n + 4 :]]
+    calls["coalesced"] = lambda: group.allgather_into_tensor_coalesced(outs, ins, AllgatherOptions())
     got = {"fake": {name: _writes(fn) for name, fn in calls.items()}}
     collectives.install()
     try:
@@ -43,7 +49,7 @@ def _collectives(rank, world_size):
         out.zero_()
         work = dist.all_gather_into_tensor(out, inp, async_op=True)
         got["work"] = (work.wait(), work.is_completed(), work.get_future().wait()[0] is out)
-        got["values"] = (out.clone(), part.clone(), amax.clone())
+        got["values"] = (out.clone(), part.clone(), amax.clone(), buf.clone())
         got["calls"] = dict(collectives.calls)
     finally:
         collectives.uninstall()
@@ -56,10 +62,11 @@ def test_each_collective_is_one_writing_operator_where_the_fake_group_makes_n_co
     got = run_simulated(_collectives, n)
     assert got["fake"]["all_gather"].count("aten::copy_") == n  # the fake group: one copy a chunk
     assert got["fake"]["all_reduce"] == ["c10d::allreduce_"]  # and nothing written for an all-reduce
-    assert got["one"] == {"all_gather": ["aten::copy_"], "reduce_scatter": ["aten::copy_"],
-                          "all_reduce": ["aten::mul_"], "allgather_base": ["aten::copy_"]}
+    assert got["one"] == {"all_gather": ["aten::cat"], "reduce_scatter": ["aten::copy_"],
+                          "all_reduce": ["aten::mul_"], "allgather_base": ["aten::cat"], "coalesced": ["aten::cat"]}
     assert got["work"] == (True, True, True)
-    gathered, part, amax = got["values"]
+    gathered, part, amax, bucket = got["values"]
+    assert bucket.tolist() == [1, 2, 3] * n + [0] * 4 + [7, 8, 9, 10, 11] * n  # the gap written with zeros
     assert torch.equal(gathered, (torch.arange(3.0) + 1).repeat(n))  # every chunk is this rank's input
     assert torch.equal(part, torch.arange(3.0))  # rank 0's own chunk of the input
     assert torch.equal(amax, torch.tensor([0.5, 2.0]))  # rewritten with its own values

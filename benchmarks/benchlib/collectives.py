@@ -3,8 +3,9 @@
 Torch's fake process group renders an all-gather into a tensor as N ``copy_`` calls and an all-reduce or a
 reduce-scatter as nothing. :func:`install` patches the ``torch.distributed.ProcessGroup`` methods of :data:`RENDER`
 (what torch.distributed's Python API calls, and the pass's direct ``_allgather_base``): on a group whose backend is
-``"fake"`` each writes its output with one kernel on the current stream (one a tensor, or a pair of tensors, for the
-list and coalesced forms) and returns a completed :class:`Done`; another backend gets the original. Values are as
+``"fake"`` each writes its output with one kernel on the current stream (an all-gather a vectorized copy: one
+``cat`` of N times its input, and a coalesced one a single ``cat`` where its outputs lie in order in one buffer; a
+pair of tensors for the other list and coalesced forms) and returns a completed :class:`Done`; another backend gets the original. Values are as
 meaningless as the fake group's, but bounded: an all-gather's chunks are all this rank's input, a reduce-scatter
 copies this rank's own chunk (a real one also reads the other N-1), an all-reduce or broadcast rewrites the tensor
 with its own values (``mul_`` by a CPU scalar 1). Not covered: ``allgather`` into a list (the fake group's N copies;
@@ -72,7 +73,58 @@ def _fake(group):
 
 
 def _gather(n, rank, out, inp):
-    out.view(n, -1).copy_(inp.reshape(1, -1).expand(n, -1))
+    # one (vectorized) copy kernel writing the N chunks; a broadcast copy_ would write them byte by byte for uint8
+    torch.cat([inp.reshape(-1)] * n, out=out.view(-1))
+
+
+def _gathers(shape, outs, inps, *_):
+    """A coalesced all-gather: one kernel for every pair (as NCCL's grouped launch) where the outputs lie in order
+    in one buffer of the inputs' dtype (the pass's buckets; the alignment gaps between them are written with
+    zeros), else one a pair."""
+    n = shape[0]
+    outs, inps = list(outs), list(inps)
+    pieces = _adjacent(n, outs, inps)
+    if pieces is None:
+        return _pairs(_gather)(shape, outs, inps)
+    parts = []
+    for inp, gap in pieces:
+        parts += [inp.reshape(-1)] * n
+        if gap:
+            parts.append(_zeros(gap, inp.dtype, inp.device))
+    first = outs[0]
+    torch.cat(parts, out=first.as_strided((sum(p.numel() for p in parts),), (1,)))
+    return outs
+
+
+def _adjacent(n, outs, inps):
+    """``[(input, gap after its output in elements)]`` where the outputs are contiguous, of one dtype and in order
+    in one storage, else None."""
+    if len(outs) < 2 or any(o.dtype != outs[0].dtype or i.dtype != o.dtype or not o.is_contiguous()
+                            or o.untyped_storage().data_ptr() != outs[0].untyped_storage().data_ptr()
+                            for o, i in zip(outs, inps)):
+        return None
+    size = outs[0].element_size()
+    pieces = []
+    for k, (o, i) in enumerate(zip(outs, inps)):
+        if o.numel() != n * i.numel():
+            return None
+        gap = 0
+        if k + 1 < len(outs):
+            gap = (outs[k + 1].data_ptr() - o.data_ptr()) // size - o.numel()
+            if gap < 0:
+                return None
+        pieces.append((i, gap))
+    return pieces
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n, dtype, device):
+    z = _ZEROS.get((n, dtype, device))
+    if z is None:
+        z = _ZEROS[n, dtype, device] = torch.zeros(n, dtype=dtype, device=device)
+    return z
 
 
 def _scatter(n, rank, out, inp):
@@ -115,7 +167,7 @@ def _in_place(shape, tensors, *_):
 
 RENDER = {"_allgather_base": _base(_gather), "_reduce_scatter_base": _base(_scatter), "allreduce": _in_place,
           "allreduce_coalesced": _in_place, "broadcast": _in_place,
-          "allgather_into_tensor_coalesced": _pairs(_gather), "reduce_scatter_tensor_coalesced": _pairs(_scatter)}
+          "allgather_into_tensor_coalesced": _gathers, "reduce_scatter_tensor_coalesced": _pairs(_scatter)}
 
 
 def _patched(name: str, original, render):
