@@ -147,6 +147,23 @@ def main() -> None:
     r["fp8shard_gather_start of that bucket (fake group)"] = start_us
     for name, us in r.items():
         print(f"{us:9.2f} us  {name}")
+    # device time of the simulated all-gather's two renders, a bucket's shard (a layer's FP8 transposes / N)
+    src = torch.empty(lay.shard_nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty(lay.shard_nbytes * n, dtype=torch.uint8, device=dev)
+    renders = {"broadcast copy_ (uint8)": lambda: dst.view(n, -1).copy_(src.reshape(1, -1).expand(n, -1)),
+               "cat of N times the input": lambda: torch.cat([src] * n, out=dst)}
+    for name, fn in renders.items():
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync()
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        sync()
+        ms = start.elapsed_time(end) / 20
+        r[f"device ms of a simulated all-gather of {dst.numel():,} B: {name}"] = ms * 1e3
+        print(f"{ms:9.3f} ms device, {dst.numel() / ms / 1e6:7.1f} GB/s written: all-gather render {name}")
     import cProfile
     import pstats
 
