@@ -8,6 +8,7 @@ totals of own time.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 
 
@@ -29,7 +30,7 @@ def main() -> None:
     p.add_argument("--arm", default="default")
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
-    with open(args.json) as f:
+    with (gzip.open if args.json.endswith(".gz") else open)(args.json, "rt") as f:
         profile = json.load(f)["op_cpu"]["cprofile"]
     rows = diff(profile, args.base, args.arm)
     print(f"| function | calls {args.base} | calls {args.arm} | own ms {args.base} | own ms {args.arm} | diff |")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s17: every job in the background, results under $R,
+# The device sittings on one H200 (simulated ranks), s1 to s18: every job in the background, results under $R,
 # collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
 # NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -274,6 +274,15 @@ cprof() {  # name, flags...
 cprof_fp8_8() { cprof cprof_fp8_l8_n8 $FLAGS $FP8 --n_layers=8; }
 cprof_bf16_8() { cprof cprof_bf16_l8_n8 $FLAGS --n_layers=8; }
 
+# 2026-12-04: the FP8 default at 32 layers since the all-gather render is one vectorized cat (505c8a4), two launches
+# timed one after the other; the first also profiles one iteration of each arm (GPU kernels by category)
+fp8_c() {
+  mkdir -p "$R/traces/final_fp8_l32_n8_c"
+  paired final_fp8_l32_n8_c "$DEFAULT_ARMS" 40 --one-model --profile --profile-arms without,default \
+    --trace-dir "$R/traces/final_fp8_l32_n8_c" -- $FLAGS $FP8 --n_layers=32
+}
+fp8_d() { paired final_fp8_l32_n8_d "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
   # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
@@ -320,7 +329,9 @@ case "${1:-}" in
         echo 6 > "$R/logs/expected" ;;
       # 2026-12-03, fifth session: the default's CPU by Python function, FP8 and bf16, 8 layers; the TE calls' CPU
       s17) launch cprof_fp8_8 cprof_bf16_8 te_cost; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s17"; exit 2 ;;
+      # 2026-12-04: the FP8 default's time at 32 layers with the vectorized render, two launches
+      s18) launch fp8_c fp8_d; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s18"; exit 2 ;;
     esac
     echo started ;;
   collect)

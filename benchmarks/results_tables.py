@@ -16,6 +16,7 @@ What is read, per row: the arm's paired JSON (``paired.py``: ``overhead_pct`` me
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -141,7 +142,9 @@ OLDER = (
 
 
 def load(root: Path, path: str, kind: str) -> dict:
-    d = json.loads((root / RESULTS / path).read_text())
+    """A results JSON, or its gzipped copy (``<path>.gz``: the large ones of older sittings)."""
+    p = root / RESULTS / path
+    d = json.loads(p.read_text() if p.exists() else gzip.decompress(p.with_name(p.name + ".gz").read_bytes()))
     if d.get("kind") != kind:
         raise ValueError(f"{RESULTS}/{path}: kind {d.get('kind')!r}, not {kind!r}")
     if (d.get("model_name", "Llama-2-7b-hf"), d.get("n_layers"), d.get("world_size"), d.get("simulated")) != (

@@ -162,7 +162,7 @@ def main() -> None:
         end.record()
         sync()
         ms = start.elapsed_time(end) / 20
-        r[f"device ms of a simulated all-gather of {dst.numel():,} B: {name}"] = ms * 1e3
+        r[f"device µs of a simulated all-gather of {dst.numel():,} B: {name}"] = ms * 1e3
         print(f"{ms:9.3f} ms device, {dst.numel() / ms / 1e6:7.1f} GB/s written: all-gather render {name}")
     import cProfile
     import pstats
