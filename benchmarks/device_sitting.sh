@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s18: every job in the background, results under $R,
+# The device sittings on one H200 (simulated ranks), s1 to s19: every job in the background, results under $R,
 # collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
 # NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -282,6 +282,8 @@ fp8_c() {
     --trace-dir "$R/traces/final_fp8_l32_n8_c" -- $FLAGS $FP8 --n_layers=32
 }
 fp8_d() { paired final_fp8_l32_n8_d "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+fp8_e() { paired final_fp8_l32_n8_e "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+bf16_b() { paired final_bf16_l32_n8_b "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -331,7 +333,9 @@ case "${1:-}" in
       s17) launch cprof_fp8_8 cprof_bf16_8 te_cost; echo 3 > "$R/logs/expected" ;;
       # 2026-12-04: the FP8 default's time at 32 layers with the vectorized render, two launches
       s18) launch fp8_c fp8_d; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s18"; exit 2 ;;
+      # the final code: the GPU module beside the builds, then the FP8 default's third launch and bf16's, timed alone
+      s19) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_e bf16_b; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s19"; exit 2 ;;
     esac
     echo started ;;
   collect)

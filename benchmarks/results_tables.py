@@ -19,6 +19,7 @@ import argparse
 import gzip
 import json
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,13 +65,39 @@ class Sitting:
 
 S16 = "h200_2026-12-03d/s16/paired/final"
 HEADLINE = Sitting("s16", "h200_2026-12-03d/NOTES.md", (
-    run(f"{S16}_fp8_l32_n8_a", "default", "FP8 (TE), the default, launch a"),
-    run(f"{S16}_fp8_l32_n8_b", "default", "FP8 (TE), the default, launch b"),
+    run(f"{S16}_fp8_l32_n8_a", "default", "FP8 (TE), the default, launch a (every launch: below)"),
     run(f"{S16}_fp8_l32_n8_a", "fwdgather", "FP8 (TE), `fp8_forward_gather=True`, beside launch a"),
     run(f"{S16}_bf16_l32_n8", "default", "bf16, the default"),
     memory_run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default"),
     memory_run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default"),
 ))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of a configuration: its sitting, its name there, and how the simulation rendered an all-gather
+    (the instrument changed between sittings)."""
+
+    sitting: str
+    name: str
+    render: str
+    row: Row
+
+
+BROADCAST, CAT = "a broadcast `copy_` (s16)", "one vectorized `cat` (since s17)"
+S18 = "h200_2026-12-04/s18/paired/final"
+# every launch of each default at 32 layers since the defaults changed (s16), none left out
+LAUNCHES = {
+    "FP8 (TE), the default": (
+        Launch("s16", "a", BROADCAST, run(f"{S16}_fp8_l32_n8_a", "default", "")),
+        Launch("s16", "b", BROADCAST, run(f"{S16}_fp8_l32_n8_b", "default", "")),
+        Launch("s18", "c", CAT, run(f"{S18}_fp8_l32_n8_c", "default", "")),
+        Launch("s18", "d", CAT, run(f"{S18}_fp8_l32_n8_d", "default", "")),
+    ),
+    "bf16, the default": (
+        Launch("s16", "a", BROADCAST, run(f"{S16}_bf16_l32_n8", "default", "")),
+    ),
+}
 
 S13, S12, S11, S9 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-12-03b/s11", "h200_2026-12-03/s9"
 S7 = "h200_2026-12-02d"
@@ -223,13 +250,34 @@ def older(root: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-PAGES = {"README.md": ("headline",), "docs/results.md": ("headline", "older")}
+def launches(root: Path, each_launch: bool = True) -> str:
+    """Each default's launches by render: how many, the median of their medians, their range, and (``each_launch``)
+    each one."""
+    out = ["| setup | an all-gather rendered as | launches | median of the medians | range |"
+           + (" each: overhead [95% CI] (A/A null) |" if each_launch else ""),
+           "|---|---|---|---|---|" + ("---|" if each_launch else "")]
+    for setup, runs in LAUNCHES.items():
+        for render in dict.fromkeys(r.render for r in runs):
+            mine = [r for r in runs if r.render == render]
+            medians, each = [], []
+            for r in mine:
+                d = load(root, r.row.arm, "paired")
+                null = load(root, r.row.null, "paired")
+                medians.append(d["overhead_pct"]["median"])
+                each.append(f"{r.sitting} {r.name}: {overhead(d)} ({signed(null['overhead_pct']['median'], '%')})")
+            out.append(f"| {setup} | {render} | {len(mine)} | {signed(statistics.median(medians), '%')} | {signed(min(medians), '%')} to "
+                       f"{signed(max(medians), '%')} |" + (f" {'; '.join(each)} |" if each_launch else ""))
+    return "\n".join(out) + "\n"
+
+
+PAGES = {"README.md": ("headline", "launches_short"), "docs/results.md": ("headline", "launches", "older")}
 REGION = re.compile(r"(<!-- results:(\w+) begin[^>]*-->\n)(.*?)(<!-- results:\2 end -->)", re.S)
 
 
 def rendered(root: Path = ROOT) -> dict[str, str]:
     """Each page as the JSONs give it: its generated regions rewritten, the rest as it is."""
-    tables = {"headline": headline(root), "older": older(root)}
+    tables = {"headline": headline(root), "launches": launches(root), "launches_short": launches(root, False),
+              "older": older(root)}
     pages = {}
     for page, names in PAGES.items():
         text = (root / page).read_text()

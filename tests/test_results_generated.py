@@ -45,9 +45,16 @@ def test_the_check_names_a_stale_page(tmp_path, capsys):
 
 def test_the_headline_reads_s16s_files():
     text = results_tables.headline(ROOT)
-    assert "| FP8 (TE), the default, launch a | +4.14% [+3.80, +4.60] | 356.0 | −0.03% [−0.53, +0.32] | " \
-           "46.18 → 38.41 (−7.77) | −0.29% |" in text
+    assert "| +4.14% [+3.80, +4.60] | 356.0 | −0.03% [−0.53, +0.32] | 46.18 → 38.41 (−7.77) | −0.29% |" in text
     assert "| bf16, checkpointed blocks, the default | memory only |  |  | 31.74 → 19.00 (−12.74) | +0.18% |" in text
+
+
+def test_every_launch_is_counted_by_render_with_the_median_of_the_medians():
+    text = results_tables.launches(ROOT)
+    assert "| FP8 (TE), the default | a broadcast `copy_` (s16) | 2 | +4.16% | +4.14% to +4.18% |" in text
+    assert "| FP8 (TE), the default | one vectorized `cat` (since s17) | 2 | +1.87% | +1.70% to +2.05% | " \
+           "s18 c: +2.05% [+1.27, +2.91] (−0.42%); s18 d: +1.70% [+1.27, +2.87] (+0.26%) |" in text
+    assert "each:" not in results_tables.launches(ROOT, each_launch=False)
 
 
 def test_markdown_outside_the_results_is_at_most_80_kb():
