@@ -1,7 +1,7 @@
 """Property test over generated small models (``thunder_fp8shard.testing.generated``): seeded random mixes of
-linear layers, layer norms, expanded and viewed weights, straight-through FP8 copies and shared weights, under
-Thunder FSDP ZeRO-3 and ZeRO-2 and Thunder DDP, with ``candidates="fp8"``, ``"all"`` and the default ``"auto"``, on 2
-gloo ranks. With the
+linear layers, layer norms, expanded and viewed weights, straight-through FP8 copies and shared weights (and a
+checkpointed mix), under Thunder FSDP ZeRO-3 and ZeRO-2, Thunder DDP and FSDP2 under ThunderFX, with
+``candidates="fp8"``, ``"all"`` and the default ``"auto"``, on 2 gloo ranks. With the
 pass: gradients bitwise those of the run without it (and non-zero), the bytes the plan says the forward saves (each
 storage once) those measured, before and after, and the step's measured allocation peak never above the run
 without it (the profiler's CPU allocation events: exact on the CPU, see the generator's docstring)."""
@@ -21,7 +21,11 @@ CASES = [Case.draw(5, "ZERO3"), replace(Case.draw(7, "ZERO2"), candidates=("auto
          replace(Case.draw(1, "DDP"), candidates=("all", "auto")),
          # the default, with weights of 1 MiB (512 x 512 fp32): their shards are their parameter shards (under gloo the
          # model counts each all-gather's temporary, so here it never lowers the peak and stays gathered)
-         replace(Case.draw(5, "ZERO3"), candidates=("auto",), d=512)]
+         replace(Case.draw(5, "ZERO3"), candidates=("auto",), d=512),
+         replace(Case.draw(5, "FSDP2"), candidates=("auto", "all")),
+         # checkpointed blocks: the default plans Thunder FSDP's collectives rescheduled too (reschedule=True)
+         replace(Case.draw(3, "ZERO3"), layers=("checkpoint", "fp8", "checkpoint", "checkpoint", "checkpoint"),
+                 candidates=("auto",), d=256)]
 
 
 def _all_cases(rank, world_size, cases):
@@ -46,8 +50,10 @@ def test_never_worse_and_exact_on_generated_models(on_ranks):
                 assert plan.peak_bytes_after <= plan.peak_bytes_before, where
                 assert with_pass["peak"] <= base["peak"], (where, base["peak"], with_pass["peak"], verdict(plan))
                 assert all(d.bytes_saved > 0 for d in plan.sharded), where
+                assert len(with_pass["plans"]) == 1, where  # one program (under FSDP2: one Dynamo graph)
                 sharded |= {(case.setup, candidates, d.kind) for d in plan.sharded}
     # not vacuous: FP8 copies sharded under every setup (under DDP with candidates="all" too: its parameters' aliases
     # are left alone, the copies are not); and under the default
     assert {("ZERO3", "fp8", "float8"), ("ZERO3", "all", "float8"), ("ZERO2", "auto", "float8"),
-            ("DDP", "all", "float8"), ("DDP", "auto", "float8"), ("ZERO3", "auto", "float8")} <= sharded, sharded
+            ("DDP", "all", "float8"), ("DDP", "auto", "float8"), ("ZERO3", "auto", "float8"),
+            ("FSDP2", "auto", "float8"), ("FSDP2", "all", "float8")} <= sharded, sharded

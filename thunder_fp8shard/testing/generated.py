@@ -10,20 +10,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from thunder_fp8shard.testing.measure import saved_bytes
-from thunder_fp8shard.testing.toy_models import FP8WeightLinear
+from thunder_fp8shard.testing.toy_models import FP8WeightLinear, fake_fp8_linear
 
-LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")
-# a tensor a collective's thread frees a moment late can overlap one step's peak; the lowest of a few steps is the
-# step's own
-PEAK_STEPS = 4
+LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")  # drawn; "checkpoint" only where a case names it
+# a tensor a collective's thread frees a moment late can overlap one step's peak (seen in 1 of 12 runs of 4 steps);
+# the lowest of a few steps is the step's own
+PEAK_STEPS = 8
 
 
 @dataclass(frozen=True)
 class Case:
     seed: int
-    setup: str  # "ZERO3", "ZERO2" or "DDP"
+    setup: str  # "ZERO3", "ZERO2", "DDP" or "FSDP2" (fully_shard on the model, compiled by ThunderFX)
     layers: tuple[str, ...]
     candidates: tuple[str, ...] = ("fp8", "all")  # one run with the pass for each, against one without
     d: int = 32
@@ -51,15 +52,18 @@ class _Layer(nn.Module):
 
 class Generated(nn.Module):
     """``case.layers`` in order, a ``tanh`` after each: ``linear``, ``layer_norm``, ``expand``, ``view`` (a weight
-    reshaped), ``fp8`` (:class:`FP8WeightLinear`), ``shared`` (the first linear weight again)."""
+    reshaped), ``fp8`` (:class:`FP8WeightLinear`), ``shared`` (the first linear weight again), ``checkpoint`` (a
+    linear and a relu recomputed in the backward)."""
 
     def __init__(self, case: Case):
         super().__init__()
         d = case.d
         self.kinds = case.layers
+        # ThunderFX (torch 2.11's autograd_function_apply) takes no autograd.Function: FP8 copies by checkpoint there
+        self.fp8_by_checkpoint = case.setup == "FSDP2"
         layers, linear_before = [], False
         for kind in case.layers:
-            own_weight = kind in ("linear", "view", "fp8") or (kind == "shared" and not linear_before)
+            own_weight = kind in ("linear", "view", "fp8", "checkpoint") or (kind == "shared" and not linear_before)
             layers.append(_Layer(d, own_weight, kind in ("linear", "layer_norm", "expand")))
             linear_before = linear_before or kind == "linear"
         self.layers = nn.ModuleList(layers)
@@ -78,11 +82,17 @@ class Generated(nn.Module):
             elif kind == "view":
                 x = F.linear(x, torch.reshape(torch.reshape(w, (-1,)), w.shape))
             elif kind == "fp8":
-                x = FP8WeightLinear.apply(x, w)
+                x = fake_fp8_linear(x, w, None) if self.fp8_by_checkpoint else FP8WeightLinear.apply(x, w)
+            elif kind == "checkpoint":
+                x = checkpoint(_relu_linear, x, w, use_reentrant=False)
             else:  # "shared"
                 x = F.linear(x, first if first is not None else w)
             x = torch.tanh(x)
         return x
+
+
+def _relu_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(F.linear(x, w))
 
 
 def allocation_peak(prof) -> int:
@@ -125,6 +135,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         extra = [shard] if candidates else []
         if case.setup == "DDP":
             jm = ddp(thunder.jit(model, transforms=extra))
+        elif case.setup == "FSDP2":
+            jm = _fsdp2(model, world_size, extra)
         else:
             fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
             jm = thunder.jit(model, transforms=[fsdp, *extra])
@@ -144,8 +156,25 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
                 loss.backward()
                 del loss
             peaks.append(allocation_peak(prof))
-        grads = {n: p.grad.detach().clone() for n, p in jm.named_parameters()}
+        grads = {n: _local(p.grad).detach().clone() for n, p in jm.named_parameters()}
         grads["input"] = x.grad.detach().clone()
         out[candidates] = dict(grads=grads, saved=saved.total, peak=min(peaks),
-                               plan=shard.plans[0] if candidates else None)
+                               plan=shard.plans[0] if candidates else None, plans=list(shard.plans))
     return out
+
+
+def _fsdp2(model: nn.Module, world_size: int, transforms: list):
+    """``fully_shard`` on the whole model (a weight shared between layers stays in one unit), compiled by ThunderFX."""
+    import torch._dynamo
+    from thunder.dynamo import ThunderCompiler
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()  # the other runs of this process compiled the same code objects
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    return torch.compile(model, backend=ThunderCompiler(transforms=transforms))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (FSDP2's gradient) local shard; a tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
