@@ -27,7 +27,7 @@ from thunder_fp8shard.distributed.integrations import Integration
 from thunder_fp8shard.distributed.shard_groups import ShardGroup
 from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.plan import Setup, ShardPlan
 from thunder_fp8shard.planning.planner import LayoutError, choose, choose_layout, make_plan
 from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
@@ -137,20 +137,21 @@ def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned 
 
 def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
     """``planned`` (a rescheduled program) with Thunder's order (``thunders``) as its "before", and ``note``."""
-    return dataclasses.replace(planned, plan=dataclasses.replace(
-        planned.plan, peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
+    return dataclasses.replace(planned, plan=planned.plan.replaced(
+        peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
         program_peak_bytes_before=thunders.program_peak_bytes_before, notes=(*planned.plan.notes, note)))
 
 
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
     """The plan's setup facts, nothing decided yet."""
     o = options
-    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=(), saved_bytes_before=0,
-                  saved_bytes_after=0, bucket_bytes=o.bucket_bytes)
+    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, bucket_bytes=o.bucket_bytes)
     if setup is None:  # compaction alone: no distributed setup
-        return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", **common)
-    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=tuple(setup.notes),
-                     shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin, **common)
+        return ShardPlan(Setup(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none",
+                               **common))
+    return ShardPlan(Setup(world_size=setup.world_size, comm=o.comm, integration=setup.name,
+                           shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin,
+                           **common), notes=tuple(setup.notes))
 
 
 @dataclass(frozen=True)
@@ -170,8 +171,8 @@ def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, 
     facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
     for warning in chosen.warnings:
         warnings.warn(f"{name}: {warning}", stacklevel=4)
-    plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows),
-                               notes=(*plan.notes, *fwd_gather.notes, *notes))
+    plan = plan.replaced(forward_gather=tuple(fwd_gather.rows),
+                         notes=(*plan.notes, *fwd_gather.notes, *notes))
     shard_ops, compactions = requests(plan, facts)
     n = sum(len(r.members) for op in shard_ops for r in op.buckets)
     new_fw = rewrite_forward(
@@ -192,8 +193,8 @@ def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, 
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)
     gather_calls = fp8_gather.operator_calls(fw_trace) if fwd_gather.sites else {}
-    plan = dataclasses.replace(  # final from here on
-        plan, operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
+    plan = plan.replaced(  # final from here on
+        operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
         check_calls={op: calls[op] for op in CHECK_NAMES},
         forward_gather_calls=(fwd_gather.calls_replaced, sum(gather_calls.values())) if fwd_gather.sites else (0, 0))
     layout = layout_of(plan, chosen.keys, chosen.rescheduled, sig)

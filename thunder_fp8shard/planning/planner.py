@@ -82,8 +82,8 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
     saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
                    + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
     budget = options.budget_bytes if options.policy == "budget" else None
-    plan = replace(
-        header, decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
+    plan = header.replaced(
+        decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
         saved_bytes_before=saved_before, saved_bytes_after=saved_after,
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
