@@ -31,7 +31,6 @@ from thunder_fp8shard.memory.model import gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Setup, ShardPlan
 from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout
-from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
 from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
 from thunder_fp8shard.rewrite.compact import COMPACTION
@@ -125,9 +124,10 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
     facts = program_facts(fw, bw, te_names)
     if len(backward_saved(bw)[0]) != len(facts.saved):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
-    program, effect = found(Program(facts, o, setup, tuple(shards.ranks) if shards else (),
-                                    shards.size if shards is not None else 1, shards.group if shards else None, name,
-                                    forward_gather, rescheduled))
+    program, effect = found(Program(
+        facts, o, setup, shard_ranks=tuple(shards.ranks) if shards else (), k=shards.size if shards is not None else 1,
+        group=shards.group if shards is not None else None, name=name, forward_gather=forward_gather,
+        rescheduled=rescheduled))
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
     analysis = analysis_of(program, effect, device, extra, seams.replication_analysis)
     keys = tensor_keys(fw, analysis.replication.replicated) if analysis.replication is not None else {}
@@ -157,14 +157,9 @@ def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned 
         return None
     facts = first.program.facts
     second = planned(fw or facts.forward, bw=bw or facts.backward, rescheduled=True)
-    plan = first.plan
-    if not collective_schedule.keeps(plan, second.plan):
+    if not collective_schedule.keeps(first.plan, second.plan):
         return None
-    moved = " and ".join(w for w, t in (("the forward's all-gathers", fw), ("the gradients' reduce-scatters", bw)) if t)
-    note = (f"reschedule: {moved} moved where they hold less memory (Thunder FSDP's order keeps every gathered "
-            f"weight, or every unsharded gradient, alive at once): predicted peak {fmt_bytes(plan.peak_bytes_after)} "
-            f"-> {fmt_bytes(second.plan.peak_bytes_after)}")
-    return _before_of(second, first.plan, note)
+    return _before_of(second, first.plan, collective_schedule.kept_note((fw, bw), first.plan, second.plan))
 
 
 def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
@@ -215,12 +210,10 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
     sig = signature(new_fw.trace, new_bw)
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)
-    gathers = program.sites["forward_gather"]
-    gather_calls = fp8_gather.operator_calls(fw_trace) if gathers.sites else {}
+    gather_calls, replaced = fp8_gather.counted(program.sites["forward_gather"], fw_trace)
     plan = plan.replaced(  # final from here on
         operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
-        check_calls={op: calls[op] for op in CHECK_NAMES},
-        forward_gather_calls=(gathers.calls_replaced, sum(gather_calls.values())) if gathers.sites else (0, 0))
+        check_calls={op: calls[op] for op in CHECK_NAMES}, forward_gather_calls=replaced)
     layout = layout_of(plan, chosen.keys, program.rescheduled, sig)
     return _Built(Compiled(plan, report, fw_trace, new_bw, calibration), sig, layout)
 
@@ -312,9 +305,7 @@ def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], buil
     if scheduled is not None and options.reschedule:
         chosen = scheduled
     elif scheduled is not None:  # the option is off: only said
-        notes = (f"reschedule=True would lower the predicted peak {fmt_bytes(chosen.plan.peak_bytes_after)} -> "
-                 f"{fmt_bytes(scheduled.plan.peak_bytes_after)} (Thunder FSDP's all-gathers issued ahead of their "
-                 "use, each gradient's reduce-scatter right after it: docs/options.md)",)
+        notes = (collective_schedule.offered_note(chosen.plan, scheduled.plan),)
     built = build(chosen, notes=notes)
     if together is None:
         return built

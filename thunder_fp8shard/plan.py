@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from typing import get_type_hints
 
 
 @dataclass(frozen=True)
@@ -358,12 +359,14 @@ def shard_op_nbytes(buckets) -> dict[int, int]:
     return out
 
 
-# flat name -> (section, its field): the plan's fields as they read
-FLAT = {**{f.name: (section, f.name) for section, cls in (("setup", Setup), ("sharding", Sharding),
-                                                          ("compaction", Compactions), ("prediction", Prediction),
-                                                          ("calls", Calls)) for f in fields(cls)},
-        "forward_gather": ("fp8_gather", "rows"), "forward_gather_calls": ("fp8_gather", "calls"),
-        "budget_bytes": ("budget", "bytes"), "budget_target_bytes": ("budget", "target_bytes"),
-        "budget_traffic": ("budget", "traffic"), "rescheduled": ("reschedule", "rescheduled")}
+# a section's fields whose flat name is another than their own
+RENAMED = {("fp8_gather", "rows"): "forward_gather", ("fp8_gather", "calls"): "forward_gather_calls",
+           ("budget", "bytes"): "budget_bytes", ("budget", "target_bytes"): "budget_target_bytes",
+           ("budget", "traffic"): "budget_traffic"}
+# flat name -> (section, its field): every section's fields as the plan's own
+SECTIONS = {name: cls for name, cls in get_type_hints(ShardPlan).items() if isinstance(cls, type)
+            and issubclass(cls, _Section)}
+FLAT = {RENAMED.get((s, f.name), f.name): (s, f.name) for s, cls in SECTIONS.items() for f in fields(cls)}
+assert len(FLAT) == sum(len(fields(cls)) for cls in SECTIONS.values())  # no two alike
 for _name, (_section, _field) in FLAT.items():
     setattr(ShardPlan, _name, property(lambda self, s=_section, f=_field: getattr(getattr(self, s), f)))

@@ -463,4 +463,12 @@ def apply(program: Program, shard_plan: ShardPlan, rewritten: Rewritten) -> Rewr
                      rewritten.backward)
 
 
+def counted(gathers: ForwardGatherPlan, fw: TraceCtx) -> tuple[dict[str, int], tuple[int, int]]:
+    """The rewritten forward's calls of this feature's operators, and (Thunder's calls they replace, theirs)."""
+    if not gathers.sites:
+        return {}, (0, 0)
+    calls = operator_calls(fw)
+    return calls, (gathers.calls_replaced, sum(calls.values()))
+
+
 FORWARD_GATHER = Rewrite("forward_gather", sites, effect, decide, apply)
