@@ -84,7 +84,7 @@ def _decision(name, nbytes):
 
 def _plan(buckets):
     decisions = [_decision("a", 1525), _decision("b", 2867), _decision("c", 329)]
-    return ShardPlan(2, "slice", "all", 1, decisions, 0, 0, buckets=buckets, comm="shared")
+    return ShardPlan.of(2, "slice", "all", 1, decisions, 0, 0, buckets=buckets, comm="shared")
 
 
 BUCKETS = [

@@ -22,7 +22,7 @@ LIVE = (100, 200, 300, 400, 400, 300, 200, 100)
 
 def _plan() -> ShardPlan:
     timeline = Timeline(STEPS, LIVE, 4)
-    return ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+    return ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, peak_bytes_after=timeline.peak_bytes, timeline_after=timeline)
 
 

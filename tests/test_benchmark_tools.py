@@ -141,7 +141,7 @@ def _hand_plan():
     lives = {"a": Life("a", ("a",), 100, 0, 5), "b": Life("b", ("b",), 40, 2, 3)}
     term = MemoryTerm("resident at the call", MODELLED, "", ((0, 7, 10),))
     t = timeline({**lives, "term": Life("term", (), 10, 0, 7)}, steps)
-    return ShardPlan(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=t.peak_bytes, peak_bytes_after=t.peak_bytes,
+    return ShardPlan.of(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=t.peak_bytes, peak_bytes_after=t.peak_bytes,
                      program_peak_bytes_before=140, program_peak_bytes_after=140, terms=[term], timeline_before=t,
                      timeline_after=t)
 
@@ -332,7 +332,7 @@ def test_the_plan_summary_leaves_out_a_plan_replanned_after_a_missed_budget():
     def plan(sharded_bytes):
         d = Decision(name="t", shape=(4,), dtype="float8_e4m3fn", kind="float8", nbytes=sharded_bytes, replicated=True,
                      sharded=True, reason="identical on every rank", shard_nbytes=sharded_bytes // 8)
-        return ShardPlan(world_size=8, method="slice", policy="budget", prefetch=1, decisions=[d], saved_bytes_before=0,
+        return ShardPlan.of(world_size=8, method="slice", policy="budget", prefetch=1, decisions=[d], saved_bytes_before=0,
                          saved_bytes_after=0)
 
     def report(missed):

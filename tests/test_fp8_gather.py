@@ -283,7 +283,7 @@ def test_run_time_calls_per_weight_fewer_than_thunders(padded):
     assert not THUNDER_CALLS & set(_names(new))
     assert sum(calls.values()) == n_weights + 1 <= n_weights * 3
     assert fg.calls_replaced == thunder
-    plan = ShardPlan(world_size=n, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+    plan = ShardPlan.of(world_size=n, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, forward_gather=list(fg.rows),
                      forward_gather_calls=(fg.calls_replaced, sum(calls.values())))
     assert f"run-time calls for them {thunder} -> {n_weights + 1}" in plan_text(plan)
@@ -311,7 +311,7 @@ def test_plan_rows_bytes_and_text():
     fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2,
                          recipe=DelayedScaling(), default_world_size=2, rank=1)
     assert [r.fp8 for r in fg.rows] == [True, True]
-    plan = ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+    plan = ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, forward_gather=list(fg.rows))
     numel = 64 * 32 + 48 * 64
     assert plan.forward_gather_bytes == (numel * 2 // 2, numel // 2)  # (N-1)/N of bf16, then of uint8
@@ -467,12 +467,12 @@ def test_the_ranks_fingerprint_covers_the_forward_gather_decisions():
     from thunder_fp8shard.plan import ForwardGather
 
     def plan(fp8):
-        return ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+        return ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
                          saved_bytes_after=0, forward_gather=[ForwardGather("t_w0", (64, 32), fp8, "", 2048, 1024,
                                                                             2048, 1024)])
 
     assert collectives(plan(True), verify=False) != collectives(plan(False), verify=False)
     assert ("forward gather 0", "64x32 fp8") in collectives(plan(True), verify=False)
-    bare = ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
+    bare = ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0)
     assert not any(k.startswith("forward gather") for k, _ in collectives(bare, verify=False))  # option off: as before

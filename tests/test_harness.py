@@ -20,7 +20,7 @@ def _plant_state(rank, world_size):
     random state, grad mode. Returns this process's id and its first random draw."""
     import torch.distributed as dist
 
-    import thunder_fp8shard.planning.analyze as analysis
+    import thunder_fp8shard.pipeline as analysis
 
     first = torch.rand(3)
     os.environ["FP8SHARD_PLANTED"] = str(rank)
@@ -32,7 +32,7 @@ def _plant_state(rank, world_size):
 
 
 def _read_state(rank, world_size):
-    import thunder_fp8shard.planning.analyze as analysis
+    import thunder_fp8shard.pipeline as analysis
     from thunder_fp8shard.analysis.replication import analyze_replication
 
     return (os.getpid(), torch.rand(3), os.environ.get("FP8SHARD_PLANTED"),

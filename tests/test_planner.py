@@ -114,7 +114,7 @@ def test_prefetch_issues_gathers_earlier_and_the_model_counts_the_early_buffers(
 
 def test_plan_renders_a_table_with_every_candidate_and_its_reason():
     decisions = choose(SOUND, MODEL, ShardOptions(prefetch=0), 2).decisions
-    plan = ShardPlan(2, "slice", "all", 0, decisions, saved_bytes_before=120, saved_bytes_after=80)
+    plan = ShardPlan.of(2, "slice", "all", 0, decisions, saved_bytes_before=120, saved_bytes_after=80)
     text = plan_text(plan)
     assert "2 of 3 candidates sharded" in text
     for d in decisions:
@@ -126,10 +126,10 @@ def test_plan_renders_a_table_with_every_candidate_and_its_reason():
 
 
 def test_the_plan_counts_the_operator_calls_a_step_when_the_rewrite_gave_them():
-    plan = ShardPlan(2, "slice", "all", 1, [], 0, 0)
+    plan = ShardPlan.of(2, "slice", "all", 1, [], 0, 0)
     assert "operator calls" not in plan_text(plan)  # nothing rewritten
-    plan = replace(plan, operator_calls={"fp8shard_shard": 24, "fp8shard_gather_start": 1, "fp8shard_gather_next": 24,
-                                         "fp8shard_gather_wait": 1})
+    plan = plan.replaced(operator_calls={"fp8shard_shard": 24, "fp8shard_gather_start": 1, "fp8shard_gather_next": 24,
+                                       "fp8shard_gather_wait": 1})
     assert ("run-time operator calls per step: 50 (24 fp8shard_shard, 1 fp8shard_gather_start, 24 fp8shard_gather_next, "
             "1 fp8shard_gather_wait)") in plan_text(plan).splitlines()
 
@@ -142,7 +142,7 @@ def test_the_plan_counts_the_operator_calls_a_step_when_the_rewrite_gave_them():
 def test_the_plan_names_the_group_the_shards_travel_on(kind, size, words):
     """The shard group's kind is set by :class:`~thunder_fp8shard.distributed.shard_groups.ShardGroups`: the setup's own group
     (comm="shared"), a second group over its ranks (comm="dedicated"), or the pass's subgroups (shard_group_size)."""
-    plan = ShardPlan(4, "slice", "all", 1, [], 0, 0, comm="dedicated" if kind == "dedicated" else "shared",
+    plan = ShardPlan.of(4, "slice", "all", 1, [], 0, 0, comm="dedicated" if kind == "dedicated" else "shared",
                      shard_group_size=size, shard_group_origin=kind)
     headline = plan_text(plan).splitlines()[0]
     assert words in headline and "its own process group" not in headline
@@ -315,15 +315,15 @@ def test_the_final_choice_is_checked_as_it_will_run():
 
 
 def test_the_plan_says_first_whether_the_peak_and_the_saved_bytes_fell():
-    plan = ShardPlan(2, "slice", "all", 0, [replace(SOUND[0], storage_nbytes=40)], saved_bytes_before=120,
+    plan = ShardPlan.of(2, "slice", "all", 0, [replace(SOUND[0], storage_nbytes=40)], saved_bytes_before=120,
                      saved_bytes_after=100, peak_bytes_before=340, peak_bytes_after=360,
                      timeline_before=MODEL.evaluate(), timeline_after=MODEL.evaluate())
     assert plan_text(plan).splitlines()[1] == verdict(plan) == (
         "verdict: predicted peak 340 B -> 360 B (RISES by 20 B); saved for backward 120 B -> 100 B (falls by 20 B)")
     assert "RISES by 20 B" in plot_plan(plan).axes[0].get_title()
-    plan = replace(plan, peak_bytes_after=340)
+    plan = plan.replaced(peak_bytes_after=340)
     assert verdict(plan).startswith("verdict: predicted peak 340 B -> 340 B (unchanged);")
-    nothing = ShardPlan(2, "slice", "all", 0, [replace(SOUND[0], sharded=False)], saved_bytes_before=120,
+    nothing = ShardPlan.of(2, "slice", "all", 0, [replace(SOUND[0], sharded=False)], saved_bytes_before=120,
                         saved_bytes_after=120, peak_bytes_before=340, peak_bytes_after=340)
     assert verdict(nothing) == "verdict: nothing sharded or compacted: predicted peak 340 B and saved for backward 120 B unchanged"
 
@@ -381,13 +381,13 @@ def test_the_rewrite_makes_compactions_in_their_shard_ops_call_and_the_others_on
     model, (c,) = _compaction_model(600)
     buckets = group([SOUND[1]], model, prefetch=0, bucket_bytes=0, k=2)
     (moved,) = place_compactions([c], buckets, model)
-    plan = ShardPlan(world_size=2, method="slice", policy="all", prefetch=0, decisions=[], saved_bytes_before=0,
+    plan = ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=0, decisions=[], saved_bytes_before=0,
                      saved_bytes_after=0, buckets=buckets, compactions=[moved])
     proxies = {n: SimpleNamespace(name=n) for n in ("W2", "V")}
     facts = SimpleNamespace(forward=fw, backward=bw, backward_start=5, saved=tuple(proxies.values()))  # ProgramFacts'
     (op,), alone = requests(plan, facts)
     assert alone == [] and op.compact == (proxies["V"],) and op.after is steps[3]
-    (op,), (req,) = requests(replace(plan, compactions=[c]), facts)
+    (op,), (req,) = requests(plan.replaced(compactions=[c]), facts)
     assert op.compact == () and req.members == (proxies["V"],) and req.after is steps[1]
 
 

@@ -128,7 +128,7 @@ def test_term_lives_one_per_span_and_none_for_empty_terms():
 
 def _plan(model):
     before = model.evaluate([])
-    return ShardPlan(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=before.peak_bytes,
+    return ShardPlan.of(2, "slice", "all", 1, [], 0, 0, peak_bytes_before=before.peak_bytes,
                      peak_bytes_after=before.peak_bytes, program_peak_bytes_before=384, program_peak_bytes_after=384,
                      terms=list(model.terms), timeline_before=before, timeline_after=before)
 

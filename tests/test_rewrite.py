@@ -35,7 +35,7 @@ def _plan(fw, bw, prefetch: int, together: bool, one_op: bool = False) -> ShardP
     groups = [decisions] if together else [[d] for d in decisions]
     ops_of = [0] * len(groups) if one_op or together else list(range(len(groups)))
     buckets = place(groups, ops_of, model, prefetch=prefetch, k=WORLD)
-    return ShardPlan(world_size=WORLD, method="slice", policy="all", prefetch=prefetch, decisions=decisions,
+    return ShardPlan.of(world_size=WORLD, method="slice", policy="all", prefetch=prefetch, decisions=decisions,
                      saved_bytes_before=0, saved_bytes_after=0, buckets=buckets)
 
 
@@ -192,7 +192,7 @@ def test_a_compaction_the_plan_gives_a_shard_op_is_made_by_that_op_in_one_call(f
     c = Compaction("s", (view.name,), (tuple(view.shape),), ("float32",), (0,), 1, first.shard_at, (len(fw.bound_symbols),),
                    compacted=True, shard_op=first.shard_op)
     for placed, expected_compact_calls in ((c, 0), (replace(c, shard_op=None), 1)):
-        p = replace(plan, compactions=[placed])
+        p = plan.replaced(compactions=[placed])
         facts = program_facts(fw, bw, set())
         shard_ops, compactions = requests(p, facts)
         new_fw = rewrite_forward(facts, shard_ops, group=group, k=WORLD, method="slice", verify=False,

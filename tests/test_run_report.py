@@ -22,7 +22,7 @@ LIVE = (100, 200, 300, 400, 400, 300, 200, 100)
 def _plan(**fields) -> ShardPlan:
     timeline = Timeline(STEPS, LIVE, 4)
     d = Decision("w", (4,), "float8_e4m3fn", "float8", 64, True, True, "identical on every rank", shard_nbytes=32)
-    return ShardPlan(world_size=2, method="slice", policy="all", prefetch=1, decisions=[d], saved_bytes_before=64,
+    return ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=1, decisions=[d], saved_bytes_before=64,
                      saved_bytes_after=32, peak_bytes_before=400, peak_bytes_after=timeline.peak_bytes,
                      program_peak_bytes_before=400, program_peak_bytes_after=400, timeline_before=timeline,
                      timeline_after=timeline, terms=[MemoryTerm("loss", MODELLED, "rule", ((4, 4, 0),))], **fields)
@@ -31,8 +31,8 @@ def _plan(**fields) -> ShardPlan:
 def test_a_plan_is_frozen_and_holds_tuples():
     plan = _plan(notes=["a note"])
     assert isinstance(plan.decisions, tuple) and isinstance(plan.terms, tuple) and plan.notes == ("a note",)
-    assert all(isinstance(getattr(plan, f.name), tuple) for f in dataclasses.fields(plan)
-               if f.name in ("decisions", "terms", "buckets", "agreed", "notes", "compactions", "forward_gather"))
+    assert all(isinstance(getattr(plan, name), tuple)
+               for name in ("decisions", "terms", "buckets", "agreed", "notes", "compactions", "forward_gather"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.peak_bytes_after = 1
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -6,12 +6,12 @@ compiled once in this process (world size 1), planned as for 2 ranks."""
 import pytest
 import torch
 
-from thunder_fp8shard.planning.analyze import analyze
 from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.distributed.integrations.base import Integration
 from thunder_fp8shard.distributed.integrations.thunder_ddp import replicated_parameters
 from thunder_fp8shard.analysis.liveness import storage_of
 from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.pipeline import analyze
 from thunder_fp8shard.planning.planner import soundness
 from thunder_fp8shard.testing.toy_models import PreNormMLP
 

@@ -1,6 +1,7 @@
-"""The pass's stages in order, as one function of a compilation's traces (:func:`compile_plan`). It
-touches nothing of Thunder's; its only effects are the collectives over the shard group. What it reads of the world,
-and the choices tests plant wrong, come in as :class:`Seams`, never as patched module globals.
+"""The pass's stages in order, as one function of a compilation's traces (:func:`compile_plan`), each phase run over
+:data:`REWRITES`; ``reschedule`` plans a second program around them (:func:`_rescheduled`). It touches nothing of
+Thunder's; its only effects are the collectives over the shard group. What it reads of the world, and the choices
+tests plant wrong, come in as :class:`Seams`, never as patched module globals.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.planning.analyze import Analysis, analyze
+from thunder_fp8shard.analysis.candidates import saved_bytes_by_dtype
 from thunder_fp8shard.analysis.identity import program_key, tensor_keys
 from thunder_fp8shard.analysis.replication import analyze_replication
 from thunder_fp8shard.analysis.program import ProgramFacts, program_facts
@@ -26,14 +27,18 @@ from thunder_fp8shard.distributed.layout import Layout, Layouts, first_differenc
 from thunder_fp8shard.distributed.integrations import Integration
 from thunder_fp8shard.distributed.shard_groups import ShardGroup
 from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
+from thunder_fp8shard.memory.model import gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planning.planner import LayoutError, choose, choose_layout, make_plan
-from thunder_fp8shard.format import fmt_bytes
+from thunder_fp8shard.plan import Setup, ShardPlan
+from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
-from thunder_fp8shard.rewrite.traces import (
-    expected_storages, operator_calls, requests, rewrite_backward, rewrite_forward, with_run_checks,
-)
+from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
+from thunder_fp8shard.rewrite.compact import COMPACTION
+from thunder_fp8shard.rewrite.fp8_gather import FORWARD_GATHER
+from thunder_fp8shard.rewrite.own_shards import OWN_SHARDS
+from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, Rewritten
+from thunder_fp8shard.rewrite.shard import SHARD
+from thunder_fp8shard.rewrite.traces import expected_storages, operator_calls, with_run_checks
 from thunder_fp8shard.runtime.audit import Calibration, SavedAudit, StepClock, calibration_term
 from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
@@ -62,19 +67,52 @@ class Compiled:
     calibration: Calibration  # the caller sets its ``on_done``
 
 
+# the rewrites in the order each phase runs them: own shards and compaction find their sites from the shard's
+# candidates, and the FP8 forward gather rewrites the forward the shard rewrite made
+REWRITES: tuple[Rewrite, ...] = (SHARD, OWN_SHARDS, COMPACTION, FORWARD_GATHER)
+
+
 @dataclass(frozen=True)
 class _Planned:
     """One program's plan and what it was made from, before any collective of the plan."""
 
-    forward: TraceCtx
-    backward: TraceCtx
-    facts: ProgramFacts
-    fwd_gather: fp8_gather.ForwardGatherPlan
-    analysis: Analysis
+    program: Program
     plan: ShardPlan
     warnings: tuple[str, ...]
     keys: Mapping[str, str]
-    rescheduled: bool = False
+
+
+def found(program: Program) -> tuple[Program, Effect]:
+    """Every rewrite's sites, in order, and their effect on the memory model."""
+    for r in REWRITES:
+        program = program.found(r.name, r.sites(program))
+    effect = Effect()
+    for r in REWRITES:
+        effect = r.effect(program, effect)
+    return program, effect
+
+
+def analysis_of(program: Program, effect: Effect, device: DeviceMemory | None, extra_terms=(),
+                replication_analysis: Callable = analyze_replication) -> Analysis:
+    """The memory model of ``effect`` (``device``: read while compiling, None on the CPU; ``extra_terms``: measured
+    at run time) and the replication verdicts over the setup's group."""
+    facts, setup = program.facts, program.setup
+    model = memory_model(facts, list(effect.candidates), options=program.options, device=device,
+                         gather_scratch=setup is not None and gathers_hold_scratch(setup.group, facts.device),
+                         resized=effect.resized, compactions=effect.compactions)
+    if extra_terms:
+        model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
+    replication = None
+    if setup is not None:
+        fw = facts.forward
+        replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
+    return Analysis(tuple(effect.candidates), model, replication, facts.saved_names, facts.model_io,
+                    saved_bytes_by_dtype(facts.saved, facts.te_names), effect.sources)
+
+
+def analyze(facts: ProgramFacts, options: ShardOptions, setup=None, device=None, **analysis) -> Analysis:
+    """The analysis one rank plans on, with no shard group (no own shards)."""
+    return analysis_of(*found(Program(facts, options, setup)), device, **analysis)
 
 
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,
@@ -83,17 +121,15 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
     """Analyzes and plans ``fw`` + ``bw`` with the inputs agreed over ``together``, or realizes the agreed
     layout ``forced`` with no collective (this rank's inputs then decide only the rank-local compactions)."""
     o = options
-    k = shards.size if shards is not None else 1
-    # decided before the memory model, which sizes the FP8 gathered buffers
-    fwd_gather = fp8_gather.plan(fw, bw, enabled=o.fp8_forward_gather and forward_gather,
-                                 setup_name=setup and setup.name, group=setup and setup.group,
-                                 world_size=setup.world_size if setup else 1)
     facts = program_facts(fw, bw, te_names)
     if len(backward_saved(bw)[0]) != len(facts.saved):
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
+    program, effect = found(Program(
+        facts, o, setup, shard_ranks=tuple(shards.ranks) if shards else (), k=shards.size if shards is not None else 1,
+        group=shards.group if shards is not None else None, name=name, forward_gather=forward_gather,
+        rescheduled=rescheduled))
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
-    analysis = analyze(facts, o, setup, device, extra, replication_analysis=seams.replication_analysis,
-                       resized=fwd_gather.buffer_nbytes(), shard_ranks=tuple(shards.ranks) if shards else ())
+    analysis = analysis_of(program, effect, device, extra, seams.replication_analysis)
     keys = tensor_keys(fw, analysis.replication.replicated) if analysis.replication is not None else {}
     budget, values, chooser = o.budget_bytes, (), seams.chooser
     if forced is None:  # the same inputs, hence the same plan, on every rank
@@ -103,54 +139,46 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
         names = {key: n for n, key in keys.items()}
         chooser = functools.partial(choose_layout, buckets=[[names.get(key, key) for key in b] for b in forced.buckets],
                                     ops=forced.shard_ops)
-    plan, warns = make_plan(analysis, dataclasses.replace(o, budget_bytes=budget), k, plan_header(o, setup, shards),
-                            values, chooser=chooser)
-    return _Planned(fw, bw, facts, fwd_gather, analysis, plan, tuple(warns), keys, rescheduled)
-
-
-def _scheduled(fw: TraceCtx, bw: TraceCtx) -> tuple[TraceCtx | None, TraceCtx | None]:
-    return collective_schedule.schedule_forward(fw), collective_schedule.schedule_backward(bw)
-
-
-# the least predicted gain that keeps a rescheduled program: a smaller one may be the memory model's error
-RESCHEDULE_MIN_GAIN = 0.01
+    program = dataclasses.replace(program, options=dataclasses.replace(o, budget_bytes=budget), analysis=analysis,
+                                  agreed=values, chooser=chooser)
+    plan, warns = plan_header(o, setup, shards), ()
+    for r in (*REWRITES, RESCHEDULE):
+        plan, more = r.decide(program, plan)
+        warns += more
+    return _Planned(program, plan, warns, keys)
 
 
 def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned | None:
     """The plan of the program with Thunder FSDP's collectives rescheduled
-    (:mod:`thunder_fp8shard.rewrite.collective_schedule`), if its predicted peak is lower by at least
-    :data:`RESCHEDULE_MIN_GAIN`; its "before" stays Thunder's order. None: keep Thunder's order. Every rank chooses
-    alike: the choice depends only on the agreed plans."""
-    fw, bw = _scheduled(first.forward, first.backward)
+    (:mod:`thunder_fp8shard.rewrite.collective_schedule`), if it keeps it; its "before" stays Thunder's order. None:
+    keep Thunder's order. Every rank chooses alike: the choice depends only on the agreed plans."""
+    fw, bw = RESCHEDULE.sites(first.program)
     if fw is None and bw is None:
         return None
-    second = planned(fw or first.forward, bw=bw or first.backward, rescheduled=True)
-    plan = first.plan
-    if second.plan.peak_bytes_after > (1 - RESCHEDULE_MIN_GAIN) * plan.peak_bytes_after:
+    facts = first.program.facts
+    second = planned(fw or facts.forward, bw=bw or facts.backward, rescheduled=True)
+    if not collective_schedule.keeps(first.plan, second.plan):
         return None
-    moved = " and ".join(w for w, t in (("the forward's all-gathers", fw), ("the gradients' reduce-scatters", bw)) if t)
-    note = (f"reschedule: {moved} moved where they hold less memory (Thunder FSDP's order keeps every gathered "
-            f"weight, or every unsharded gradient, alive at once): predicted peak {fmt_bytes(plan.peak_bytes_after)} "
-            f"-> {fmt_bytes(second.plan.peak_bytes_after)}")
-    return _before_of(second, first.plan, note)
+    return _before_of(second, first.plan, collective_schedule.kept_note((fw, bw), first.plan, second.plan))
 
 
 def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
     """``planned`` (a rescheduled program) with Thunder's order (``thunders``) as its "before", and ``note``."""
-    return dataclasses.replace(planned, plan=dataclasses.replace(
-        planned.plan, peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
+    return dataclasses.replace(planned, plan=planned.plan.replaced(
+        peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
         program_peak_bytes_before=thunders.program_peak_bytes_before, notes=(*planned.plan.notes, note)))
 
 
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
     """The plan's setup facts, nothing decided yet."""
     o = options
-    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, decisions=(), saved_bytes_before=0,
-                  saved_bytes_after=0, bucket_bytes=o.bucket_bytes)
+    common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, bucket_bytes=o.bucket_bytes)
     if setup is None:  # compaction alone: no distributed setup
-        return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", **common)
-    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, notes=tuple(setup.notes),
-                     shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin, **common)
+        return ShardPlan(Setup(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none",
+                               **common))
+    return ShardPlan(Setup(world_size=setup.world_size, comm=o.comm, integration=setup.name,
+                           shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin,
+                           **common), notes=tuple(setup.notes))
 
 
 @dataclass(frozen=True)
@@ -162,41 +190,31 @@ class _Built:
     layout: Layout
 
 
-def _build(chosen: _Planned, *, options: ShardOptions, name: str, seams: Seams, group, k: int, clock: StepClock,
-           on_miss: Callable[[int], None], notes: tuple[str, ...] = ()) -> _Built:
-    """Rewrites ``chosen``'s program as its plan says and arms the run-time checks (no collective)."""
-    o = options
-    bw = chosen.backward
-    facts, fwd_gather, analysis, plan = chosen.facts, chosen.fwd_gather, chosen.analysis, chosen.plan
+def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None], seams: Seams,
+           notes: tuple[str, ...] = ()) -> _Built:
+    """Rewrites ``chosen``'s program as its plan says, every rewrite in order, and arms the run-time checks (no
+    collective)."""
+    program, plan = chosen.program, chosen.plan
     for warning in chosen.warnings:
-        warnings.warn(f"{name}: {warning}", stacklevel=4)
-    plan = dataclasses.replace(plan, forward_gather=tuple(fwd_gather.rows),
-                               notes=(*plan.notes, *fwd_gather.notes, *notes))
-    shard_ops, compactions = requests(plan, facts)
-    n = sum(len(r.members) for op in shard_ops for r in op.buckets)
-    new_fw = rewrite_forward(
-        facts, shard_ops, group=group, k=k, method=o.method, verify=o.verify, compactions=compactions,
-        provenance=f"{name}: {n} saved tensors kept as 1/{k} shards of {len(plan.buckets)} "
-        f"bucket(s) by {len(shard_ops)} shard op(s) ({o.method}), {len(compactions)} compaction(s)",
-    )
-    new_bw, _ = rewrite_backward(
-        bw, new_fw, group=group, provenance=f"{name}: {len(plan.buckets)} bucket(s) all-gathered (prefetch {o.prefetch})",
-    )
+        warnings.warn(f"{program.name}: {warning}", stacklevel=4)
+    plan = plan.replaced(notes=(*plan.notes, *notes))
+    rewritten = Rewritten(None, program.facts.backward)
+    for r in REWRITES:
+        rewritten = r.apply(program, plan, rewritten)
+    new_fw, new_bw = rewritten.forward, rewritten.backward
     report = RunReport()  # written only by the run-time checks
-    audit = SavedAudit(plan, report, expected_storages(analysis.model, plan, new_fw),
+    audit = SavedAudit(plan, report, expected_storages(program.analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)], clock)
-    calibration = Calibration(plan, report, facts.device, plan.budget_bytes, clock, on_miss, audit,
+    calibration = Calibration(plan, report, program.facts.device, plan.budget_bytes, clock, on_miss, audit,
                               peak=seams.device_probe.peak_allocated)
-    new_fw = dataclasses.replace(new_fw, trace=fwd_gather.apply(new_fw.trace))  # the saved list is unchanged
     sig = signature(new_fw.trace, new_bw)
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls = operator_calls(fw_trace, new_bw)
-    gather_calls = fp8_gather.operator_calls(fw_trace) if fwd_gather.sites else {}
-    plan = dataclasses.replace(  # final from here on
-        plan, operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
-        check_calls={op: calls[op] for op in CHECK_NAMES},
-        forward_gather_calls=(fwd_gather.calls_replaced, sum(gather_calls.values())) if fwd_gather.sites else (0, 0))
-    layout = layout_of(plan, chosen.keys, chosen.rescheduled, sig)
+    gather_calls, replaced = fp8_gather.counted(program.sites["forward_gather"], fw_trace)
+    plan = plan.replaced(  # final from here on
+        operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
+        check_calls={op: calls[op] for op in CHECK_NAMES}, forward_gather_calls=replaced)
+    layout = layout_of(plan, chosen.keys, program.rescheduled, sig)
     return _Built(Compiled(plan, report, fw_trace, new_bw, calibration), sig, layout)
 
 
@@ -224,14 +242,11 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     collective, and raises where its collectives would differ."""
     layouts = layouts if layouts is not None else Layouts()
     clock = clock if clock is not None else StepClock()
-    group = shards.group if shards is not None else None
-    k = shards.size if shards is not None else 1
     together = agreement_group(setup, shards)
     planned = functools.partial(_planned, options=options, setup=setup, shards=shards, device=device,
                                 te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams,
                                 together=together)
-    build = functools.partial(_build, options=options, name=name, seams=seams, group=group, k=k, clock=clock,
-                              on_miss=on_miss)
+    build = functools.partial(_build, seams=seams, clock=clock, on_miss=on_miss)
     if setup is None:  # compaction alone: nothing collective
         return build(planned(fw, bw=bw)).compiled
     program = program_key(fw, parameters(fw, setup))
@@ -272,8 +287,8 @@ def parameters(fw: TraceCtx, setup: Integration) -> frozenset[str]:
 def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout: Layout) -> _Planned:
     """The program planned to ``layout``, with no collective."""
     if layout.reschedule:
-        sfw, sbw = _scheduled(fw, bw)
         first = planned(fw, bw=bw, forced=layout)
+        sfw, sbw = RESCHEDULE.sites(first.program)
         return _before_of(planned(sfw or fw, bw=sbw or bw, forced=layout, rescheduled=True), first.plan,
                           "reschedule: as the model's agreed layout")
     return planned(fw, bw=bw, forced=layout)
@@ -290,9 +305,7 @@ def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], buil
     if scheduled is not None and options.reschedule:
         chosen = scheduled
     elif scheduled is not None:  # the option is off: only said
-        notes = (f"reschedule=True would lower the predicted peak {fmt_bytes(chosen.plan.peak_bytes_after)} -> "
-                 f"{fmt_bytes(scheduled.plan.peak_bytes_after)} (Thunder FSDP's all-gathers issued ahead of their "
-                 "use, each gradient's reduce-scatter right after it: docs/options.md)",)
+        notes = (collective_schedule.offered_note(chosen.plan, scheduled.plan),)
     built = build(chosen, notes=notes)
     if together is None:
         return built

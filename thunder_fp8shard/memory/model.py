@@ -118,9 +118,11 @@ class MemoryModel:
 def memory_model(
     facts: ProgramFacts, candidates: list[Candidate], *, options: ShardOptions | None = None, device=None,
     gather_scratch: bool = False, resized: Mapping[str, int] | None = None,
+    compactions: Sequence[Compaction] | None = None,
 ) -> MemoryModel:
     """Places every candidate on the program's storages and adds the step's other memory (without ``options``, the
-    program's alone). ``resized``: storages the forward rewrite resizes."""
+    program's alone). ``resized``: storages the forward rewrite resizes; ``compactions``: the options (None: found
+    here)."""
     graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
     life_of = facts.life_of
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
@@ -133,8 +135,10 @@ def memory_model(
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
     # the caller holds its inputs and outputs; TE tensors are not plain tensors
-    excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
-    compactions = tuple(compaction_options(graph, lives, list(facts.saved), excluded, life_of))
+    if compactions is None:
+        excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
+        compactions = compaction_options(graph, lives, list(facts.saved), excluded, life_of)
+    compactions = tuple(compactions)
     rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
 

@@ -11,14 +11,32 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from thunder_fp8shard.planning import grouping
-from thunder_fp8shard.planning.analyze import Analysis
 from thunder_fp8shard.analysis.candidates import Candidate
 from thunder_fp8shard.planning.layout import bucket_layout
 from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import UNKNOWN, AgreedValue, BudgetTraffic, Bucket, Compaction, Decision, ShardPlan
+from thunder_fp8shard.plan import (
+    UNKNOWN, AgreedValue, BudgetTraffic, Bucket, Compaction, Decision, MemoryTerm, ShardPlan,
+)
 from thunder_fp8shard.analysis.replication import Replication
 from thunder_fp8shard.format import fmt_bytes
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """What the planner plans on: the rewrites' sites and the memory model built from their effects."""
+
+    candidates: tuple[Candidate, ...]  # none without a distributed setup
+    model: MemoryModel
+    replication: Replication | None  # over the setup's whole group
+    saved_names: frozenset[str]
+    model_io: frozenset[str]  # the caller keeps them alive
+    saved_by_dtype: dict[str, int] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict)  # candidate -> the forward input that is its shard
+
+    def with_terms(self, terms: Sequence[MemoryTerm]) -> Analysis:
+        """The same analysis with the memory terms every rank agreed on."""
+        return replace(self, model=replace(self.model, terms=tuple(terms)))
 
 
 ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
@@ -82,8 +100,8 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
     saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
                    + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
     budget = options.budget_bytes if options.policy == "budget" else None
-    plan = replace(
-        header, decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
+    plan = header.replaced(
+        decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
         saved_bytes_before=saved_before, saved_bytes_after=saved_after,
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,

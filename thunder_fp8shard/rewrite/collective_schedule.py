@@ -19,6 +19,9 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, SLICE, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
+from thunder_fp8shard.format import fmt_bytes
+from thunder_fp8shard.plan import ShardPlan
+from thunder_fp8shard.rewrite.shape import Program, Rewrite, applied_elsewhere, unchanged_effect
 
 FORWARD_PREFETCH = 8  # about one transformer block's weights
 
@@ -135,3 +138,40 @@ def schedule_backward(bw: TraceCtx) -> TraceCtx | None:
         moved += 1
     return _reordered(bw, body, key, f"ShardIntermediates(reschedule): {moved} gradient reduce-scatters issued and "
                                      "waited for right after their gradient")
+
+
+# the least predicted gain that keeps a rescheduled program: a smaller one may be the memory model's error
+RESCHEDULE_MIN_GAIN = 0.01
+
+
+def sites(program: Program) -> tuple[TraceCtx | None, TraceCtx | None]:
+    """The forward and the backward with Thunder FSDP's collectives moved (None: nothing moves)."""
+    return schedule_forward(program.facts.forward), schedule_backward(program.facts.backward)
+
+
+def decide(program: Program, plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
+    return plan.replaced(rescheduled=program.rescheduled), ()
+
+
+def keeps(thunders: ShardPlan, rescheduled: ShardPlan) -> bool:
+    """Whether the rescheduled program's predicted peak is lower by at least :data:`RESCHEDULE_MIN_GAIN`."""
+    return not rescheduled.peak_bytes_after > (1 - RESCHEDULE_MIN_GAIN) * thunders.peak_bytes_after
+
+
+def kept_note(sites, thunders: ShardPlan, rescheduled: ShardPlan) -> str:
+    fw, bw = sites
+    moved = " and ".join(w for w, t in (("the forward's all-gathers", fw), ("the gradients' reduce-scatters", bw)) if t)
+    return (f"reschedule: {moved} moved where they hold less memory (Thunder FSDP's order keeps every gathered "
+            f"weight, or every unsharded gradient, alive at once): predicted peak "
+            f"{fmt_bytes(thunders.peak_bytes_after)} -> {fmt_bytes(rescheduled.peak_bytes_after)}")
+
+
+def offered_note(thunders: ShardPlan, rescheduled: ShardPlan) -> str:
+    """What ``reschedule=False`` says where the rescheduled program would be kept."""
+    return (f"reschedule=True would lower the predicted peak {fmt_bytes(thunders.peak_bytes_after)} -> "
+            f"{fmt_bytes(rescheduled.peak_bytes_after)} (Thunder FSDP's all-gathers issued ahead of their "
+            "use, each gradient's reduce-scatter right after it: docs/options.md)")
+
+
+# its sites are a second program, planned whole: the pipeline plans both and keeps the lower (``keeps``)
+RESCHEDULE = Rewrite("reschedule", sites, unchanged_effect, decide, applied_elsewhere)

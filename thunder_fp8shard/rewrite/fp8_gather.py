@@ -9,6 +9,7 @@ changes only in its state's scale update, which eligibility requires after the l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from thunder_fp8shard.analysis.names import (
 )
 from thunder_fp8shard.analysis.saved import forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
-from thunder_fp8shard.plan import ForwardGather
+from thunder_fp8shard.plan import ForwardGather, ShardPlan
+from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, Rewritten
 
 
 
@@ -436,3 +438,37 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
                              recipe_problem=gops.exact_recipe(recipe)))
     rows = tuple(decisions(sites, world_size))
     return ForwardGatherPlan(sites, rows, (), group, world_size, rank)
+
+
+def sites(program: Program) -> ForwardGatherPlan:
+    setup = program.setup
+    return plan(program.facts.forward, program.facts.backward,
+                enabled=program.options.fp8_forward_gather and program.forward_gather,
+                setup_name=setup and setup.name, group=setup and setup.group,
+                world_size=setup.world_size if setup else 1)
+
+
+def effect(program: Program, effect: Effect) -> Effect:
+    return dataclasses.replace(effect, resized=program.sites["forward_gather"].buffer_nbytes())
+
+
+def decide(program: Program, shard_plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
+    gathers = program.sites["forward_gather"]
+    return shard_plan.replaced(forward_gather=tuple(gathers.rows), notes=(*shard_plan.notes, *gathers.notes)), ()
+
+
+def apply(program: Program, shard_plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
+    forward = rewritten.forward  # the saved list is unchanged
+    return Rewritten(dataclasses.replace(forward, trace=program.sites["forward_gather"].apply(forward.trace)),
+                     rewritten.backward)
+
+
+def counted(gathers: ForwardGatherPlan, fw: TraceCtx) -> tuple[dict[str, int], tuple[int, int]]:
+    """The rewritten forward's calls of this feature's operators, and (Thunder's calls they replace, theirs)."""
+    if not gathers.sites:
+        return {}, (0, 0)
+    calls = operator_calls(fw)
+    return calls, (gathers.calls_replaced, sum(calls.values()))
+
+
+FORWARD_GATHER = Rewrite("forward_gather", sites, effect, decide, apply)

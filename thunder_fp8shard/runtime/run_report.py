@@ -4,7 +4,6 @@ from the plan, which is fixed at compile time. Only the checks write it, each fi
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +67,7 @@ class RunReport:
         moved)."""
         if not self.terms:
             return plan
-        return dataclasses.replace(
-            plan, terms=(*plan.terms, *self.terms),
+        return plan.replaced(
+            terms=(*plan.terms, *self.terms),
             timeline_after=self.timeline_after if self.timeline_after is not None else plan.timeline_after,
             peak_bytes_after=self.peak_bytes_after if self.peak_bytes_after is not None else plan.peak_bytes_after)

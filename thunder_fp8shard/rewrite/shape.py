@@ -1,0 +1,78 @@
+"""Every rewrite in one shape: four pure functions that :func:`~thunder_fp8shard.pipeline.compile_plan` runs over
+``pipeline.REWRITES`` in order, one phase at a time (all sites, then the memory model from all effects, then the
+decisions, then the rewrites of the traces)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+from thunder.core.trace import TraceCtx
+
+from thunder_fp8shard.analysis.program import ProgramFacts
+from thunder_fp8shard.options import ShardOptions
+from thunder_fp8shard.plan import Compaction, ShardPlan
+from thunder_fp8shard.planning.planner import Analysis
+from thunder_fp8shard.rewrite.traces import ForwardRewrite
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program as the rewrites see it: its facts and setup, then the sites found so far, then the analysis as the
+    ranks agreed it, the planner's inputs and the rank-local choice of shards (``chooser``)."""
+
+    facts: ProgramFacts
+    options: ShardOptions
+    setup: Any = None  # an Integration; None: compaction alone
+    shard_ranks: tuple[int, ...] = ()
+    k: int = 1
+    group: Any = None  # the shard group's
+    name: str = "ShardIntermediates"
+    forward_gather: bool = True  # False: a program the ranks did not compile together
+    rescheduled: bool = False
+    sites: Mapping[str, Any] = field(default_factory=dict)  # by rewrite name
+    analysis: Analysis | None = None
+    agreed: tuple = ()
+    chooser: Callable | None = None
+
+    def found(self, name: str, sites) -> Program:
+        return replace(self, sites={**self.sites, name: sites})
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What the rewrites' sites put into the memory model."""
+
+    candidates: tuple = ()
+    sources: Mapping[str, str] = field(default_factory=dict)  # candidate -> the forward input that is its shard
+    resized: Mapping[str, int] = field(default_factory=dict)  # storages the forward rewrite resizes
+    compactions: tuple[Compaction, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """The traces as far as the rewrites have gone (``forward`` None before the shard rewrite)."""
+
+    forward: ForwardRewrite | None
+    backward: TraceCtx
+
+
+class Rewrite(NamedTuple):
+    name: str
+    sites: Callable[[Program], Any]  # where it applies, from the facts (and the sites found before it)
+    effect: Callable[[Program, Effect], Effect]  # its sites' effect on the memory model
+    decide: Callable[[Program, ShardPlan], tuple[ShardPlan, tuple[str, ...]]]  # its section; warnings to give
+    apply: Callable[[Program, ShardPlan, Rewritten], Rewritten]
+
+
+def unchanged_effect(program: Program, effect: Effect) -> Effect:
+    return effect
+
+
+def decided_elsewhere(program: Program, plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
+    return plan, ()
+
+
+def applied_elsewhere(program: Program, plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
+    return rewritten
