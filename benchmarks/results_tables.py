@@ -66,7 +66,6 @@ class Sitting:
 S16 = "h200_2026-12-03d/s16/paired/final"
 HEADLINE = Sitting("s16", "h200_2026-12-03d/NOTES.md", (
     run(f"{S16}_fp8_l32_n8_a", "default", "FP8 (TE), the default, launch a (every launch: below)"),
-    run(f"{S16}_fp8_l32_n8_a", "fwdgather", "FP8 (TE), `fp8_forward_gather=True`, beside launch a"),
     run(f"{S16}_bf16_l32_n8", "default", "bf16, the default"),
     memory_run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default"),
     memory_run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default"),
@@ -103,6 +102,9 @@ S13, S12, S11, S9 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-1
 S7 = "h200_2026-12-02d"
 S4, S56 = "h200_2026-12-02b", "h200_2026-12-02c"  # s3 and s4; s5 and s6
 OLDER = (
+    Sitting("s16", "h200_2026-12-03d/NOTES.md", (
+        run(f"{S16}_fp8_l32_n8_a", "fwdgather", "FP8 (TE), `fp8_forward_gather=True`, beside the default's launch a"),
+    )),
     Sitting("s13", "h200_2026-12-03c/NOTES.md", (
         run(f"{S13}/paired_fp8_l32_n8_s13", "default", "FP8, the default of then (`reschedule` off), third launch"),
         run(f"{S13}/resched_fp8_l32_n8", "default", "FP8, the default of then"),
