@@ -64,13 +64,13 @@ class Sitting:
 
 
 S16 = "h200_2026-12-03d/s16/paired/final"
-HEADLINE = Sitting("s16", "h200_2026-12-03d/NOTES.md", (
-    run(f"{S16}_fp8_l32_n8_a", "default", "FP8 (TE), the default, launch a (every launch: below)"),
-    run(f"{S16}_bf16_l32_n8", "default", "bf16, the default"),
-    memory_run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default"),
-    memory_run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default"),
+S19 = "h200_2026-12-04/s19/paired/final"
+HEADLINE = Sitting("s19", "h200_2026-12-04/NOTES.md", (
+    run(f"{S19}_fp8_l32_n8_e", "default", "FP8 (TE), the default (s19, launch e)"),
+    run(f"{S19}_bf16_l32_n8_b", "default", "bf16, the default (s19, launch b)"),
+    memory_run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default (s16)"),
+    memory_run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default (s16)"),
 ))
-
 
 @dataclass(frozen=True)
 class Launch:
@@ -92,9 +92,12 @@ LAUNCHES = {
         Launch("s16", "b", BROADCAST, run(f"{S16}_fp8_l32_n8_b", "default", "")),
         Launch("s18", "c", CAT, run(f"{S18}_fp8_l32_n8_c", "default", "")),
         Launch("s18", "d", CAT, run(f"{S18}_fp8_l32_n8_d", "default", "")),
+        Launch("s19", "e", CAT, run(f"{S19}_fp8_l32_n8_e", "default", "")),
     ),
     "bf16, the default": (
         Launch("s16", "a", BROADCAST, run(f"{S16}_bf16_l32_n8", "default", "")),
+        Launch("s19", "b", CAT, run(f"{S19}_bf16_l32_n8_b", "default", "")),
+        Launch("s19", "c", CAT, run(f"{S19}_bf16_l32_n8_c", "default", "")),
     ),
 }
 
@@ -233,7 +236,7 @@ def figures(root: Path, row: Row) -> Figures:
 def headline(root: Path) -> str:
     rows = [(r, figures(root, r)) for r in HEADLINE.rows]
     date = rows[0][1].date
-    out = [f"| sitting {HEADLINE.name} ({date}), one H200, simulated N=8 | step overhead [95% CI] | base step (ms) | A/A null [95% CI] | "
+    out = [f"| the defaults, one H200, simulated N=8 ({date}) | step overhead [95% CI] | base step (ms) | A/A null [95% CI] | "
            "device peak without → with, GB | predicted peak error | pass's CPU a step (ms) |",
            "|---|---|---|---|---|---|---|"]
     out += [f"| {r.label} | {f.overhead} | {f.base} | {f.null} | {f.peaks} | {f.error} | {f.pass_cpu} |"

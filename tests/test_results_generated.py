@@ -35,7 +35,7 @@ def test_the_check_names_a_stale_page(tmp_path, capsys):
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "results").symlink_to(ROOT / "benchmarks" / "results")
     readme = tmp_path / "README.md"
-    readme.write_text(readme.read_text().replace("+4.14% [+3.80, +4.60]", "+1.00% [+0.90, +1.10]"))
+    readme.write_text(readme.read_text().replace("+1.52% [+1.08, +1.60]", "+1.00% [+0.90, +1.10]"))
     assert results_tables.stale(tmp_path) == ["README.md"]
     assert results_tables.main(["--check"], root=tmp_path) == 1
     assert "README.md is stale" in capsys.readouterr().err
@@ -43,17 +43,20 @@ def test_the_check_names_a_stale_page(tmp_path, capsys):
     assert results_tables.stale(tmp_path) == [] and readme.read_text() == (ROOT / "README.md").read_text()
 
 
-def test_the_headline_reads_s16s_files():
+def test_the_headline_reads_s19s_and_s16s_files():
     text = results_tables.headline(ROOT)
-    assert "| +4.14% [+3.80, +4.60] | 356.0 | −0.03% [−0.53, +0.32] | 46.18 → 38.41 (−7.77) | −0.29% |" in text
-    assert "| bf16, checkpointed blocks, the default | memory only |  |  | 31.74 → 19.00 (−12.74) | +0.18% |" in text
+    assert "| FP8 (TE), the default (s19, launch e) | +1.52% [+1.08, +1.60] | 344.3 | +0.12% [−0.11, +0.25] | " \
+           "46.18 → 38.41 (−7.77) | −0.29% |" in text
+    assert "| bf16, checkpointed blocks, the default (s16) | memory only |  |  | 31.74 → 19.00 (−12.74) | +0.18% |" in text
 
 
 def test_every_launch_is_counted_by_render_with_the_median_of_the_medians():
     text = results_tables.launches(ROOT)
     assert "| FP8 (TE), the default | a broadcast `copy_` (s16) | 2 | +4.16% | +4.14% to +4.18% |" in text
-    assert "| FP8 (TE), the default | one vectorized `cat` (since s17) | 2 | +1.87% | +1.70% to +2.05% | " \
-           "s18 c: +2.05% [+1.27, +2.91] (−0.42%); s18 d: +1.70% [+1.27, +2.87] (+0.26%) |" in text
+    assert "| FP8 (TE), the default | one vectorized `cat` (since s17) | 3 | +1.70% | +1.52% to +2.05% | " \
+           "s18 c: +2.05% [+1.27, +2.91] (−0.42%); s18 d: +1.70% [+1.27, +2.87] (+0.26%); " \
+           "s19 e: +1.52% [+1.08, +1.60] (+0.12%) |" in text
+    assert "| bf16, the default | one vectorized `cat` (since s17) | 2 | +1.45% | +1.42% to +1.48% |" in text
     assert "each:" not in results_tables.launches(ROOT, each_launch=False)
 
 
