@@ -4,8 +4,9 @@
     python benchmarks/results_tables.py --check  # exit 1, naming each file that is not what the JSONs give
 
 A generated region lies between ``<!-- results:NAME begin ... -->`` and ``<!-- results:NAME end -->``; the text
-around it is written by hand. ``HEADLINE`` and ``OLDER`` below are the manifest: each row names its JSON files and says
-what was run; every number is read from the files (``tests/test_results_generated.py`` checks the pages are current).
+around it is written by hand. ``HEADLINE``, ``LAUNCHES`` and ``OLDER`` below are the manifest: each row names its
+JSON files and says what was run; every number is read from the files (``tests/test_results_generated.py`` checks
+the pages are current).
 
 What is read, per row: the arm's paired JSON (``paired.py``: ``overhead_pct`` median, ``ci95`` and ``base_median``;
 ``pass_cpu.gross_ms_per_step``; ``memory_reduction_GB`` where no accuracy report is named), the A/A null's paired JSON
@@ -71,6 +72,7 @@ HEADLINE = Sitting("s19", "h200_2026-12-04/NOTES.md", (
     memory_run(f"{S16}_ckpt_fp8_l32_n8", "default", "FP8 (TE), checkpointed blocks, the default (s16)"),
     memory_run(f"{S16}_ckpt_bf16_l32_n8", "default", "bf16, checkpointed blocks, the default (s16)"),
 ))
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -270,8 +272,9 @@ def launches(root: Path, each_launch: bool = True) -> str:
                 null = load(root, r.row.null, "paired")
                 medians.append(d["overhead_pct"]["median"])
                 each.append(f"{r.sitting} {r.name}: {overhead(d)} ({signed(null['overhead_pct']['median'], '%')})")
-            out.append(f"| {setup} | {render} | {len(mine)} | {signed(statistics.median(medians), '%')} | {signed(min(medians), '%')} to "
-                       f"{signed(max(medians), '%')} |" + (f" {'; '.join(each)} |" if each_launch else ""))
+            mid, low, high = (signed(x, "%") for x in (statistics.median(medians), min(medians), max(medians)))
+            out.append(f"| {setup} | {render} | {len(mine)} | {mid} | {low} to {high} |"
+                       + (f" {'; '.join(each)} |" if each_launch else ""))
     return "\n".join(out) + "\n"
 
 

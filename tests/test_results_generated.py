@@ -47,7 +47,8 @@ def test_the_headline_reads_s19s_and_s16s_files():
     text = results_tables.headline(ROOT)
     assert "| FP8 (TE), the default (s19, launch e) | +1.52% [+1.08, +1.60] | 344.3 | +0.12% [−0.11, +0.25] | " \
            "46.18 → 38.41 (−7.77) | −0.29% |" in text
-    assert "| bf16, checkpointed blocks, the default (s16) | memory only |  |  | 31.74 → 19.00 (−12.74) | +0.18% |" in text
+    assert "| bf16, checkpointed blocks, the default (s16) | memory only |  |  | 31.74 → 19.00 (−12.74) | +0.18% |" \
+        in text
 
 
 def test_every_launch_is_counted_by_render_with_the_median_of_the_medians():
