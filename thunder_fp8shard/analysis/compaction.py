@@ -10,9 +10,17 @@ from collections.abc import Mapping
 import networkx as nx
 from thunder.core.proxies import TensorProxy
 
+from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate
 from thunder_fp8shard.analysis.liveness import Life, held_to, last_uses, storage_of, uses, view_graph
 from thunder_fp8shard.plan import Compaction
 from thunder_fp8shard.analysis.saved import tensor_nbytes
+
+
+def program_compactions(facts, candidates: list[Candidate]) -> tuple[Compaction, ...]:
+    """The compaction options of a program (``facts``: its ``ProgramFacts``), none taken; a storage holding a model
+    input or output, or one of ``candidates`` that is a TE tensor, is none."""
+    excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
+    return tuple(compaction_options(facts.graph, facts.lives, list(facts.saved), excluded, facts.life_of))
 
 
 def compaction_options(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate
-from thunder_fp8shard.analysis.compaction import compaction_options
+from thunder_fp8shard.analysis.candidates import Candidate
+from thunder_fp8shard.analysis.compaction import program_compactions
 from thunder_fp8shard.analysis.liveness import (
     CompactedStorage, Life, ShardedStorages, Step, Timeline, backward_start, is_compute, life_spans, span_bytes,
     storage_of, uses, with_compaction, with_sharding,
@@ -134,11 +134,7 @@ def memory_model(
         if backward_uses:
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
-    # the caller holds its inputs and outputs; TE tensors are not plain tensors
-    if compactions is None:
-        excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
-        compactions = compaction_options(graph, lives, list(facts.saved), excluded, life_of)
-    compactions = tuple(compactions)
+    compactions = program_compactions(facts, candidates) if compactions is None else tuple(compactions)
     rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
 

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from thunder_fp8shard.analysis.candidates import TE_FLOAT8
-from thunder_fp8shard.analysis.compaction import compaction_options
+from thunder_fp8shard.analysis.compaction import program_compactions
 from thunder_fp8shard.plan import Compaction
 from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, applied_elsewhere, decided_elsewhere
 
 
 def sites(program: Program) -> tuple[Compaction, ...]:
     """The options, none taken; a storage holding a TE tensor or a model input or output is none."""
-    facts = program.facts
-    excluded = facts.model_io | {c.name for c in program.sites["shard"] if c.kind == TE_FLOAT8}
-    return tuple(compaction_options(facts.graph, facts.lives, list(facts.saved), excluded, facts.life_of))
+    return program_compactions(program.facts, program.sites["shard"])
 
 
 def effect(program: Program, effect: Effect) -> Effect:
