@@ -120,7 +120,7 @@ def allocation_peak(prof) -> int:
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
     """One rank's runs of ``case`` without the pass (key None) and with it for each of ``case.candidates``: gradients,
-    saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plan."""
+    saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plans (none without the pass)."""
     import thunder
     from thunder.distributed import FSDPType, ddp
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
@@ -158,8 +158,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
             peaks.append(allocation_peak(prof))
         grads = {n: _local(p.grad).detach().clone() for n, p in jm.named_parameters()}
         grads["input"] = x.grad.detach().clone()
-        out[candidates] = dict(grads=grads, saved=saved.total, peak=min(peaks),
-                               plan=shard.plans[0] if candidates else None, plans=list(shard.plans))
+        out[candidates] = dict(grads=grads, saved=saved.total, peak=min(peaks), plans=list(shard.plans))
     return out
 
 
