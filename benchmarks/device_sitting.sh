@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s19: every job in the background, results under $R,
+# The device sittings on one H200 (simulated ranks), s1 to s20: every job in the background, results under $R,
 # collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
 # NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -285,6 +285,18 @@ fp8_d() { paired final_fp8_l32_n8_d "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP
 fp8_e() { paired final_fp8_l32_n8_e "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 bf16_b() { paired final_bf16_l32_n8_b "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
 
+# 2026-12-04, second session: the checkpointed defaults timed (issue #45 item 3) and bf16's third launch (wave one,
+# 21 + 32 + 64 GB), then the FP8 default with the pass's gathers on a stream of their own (--comm-stream, with the
+# vectorized render): how much of the backward's render the compute stream pays where NCCL's stream would not
+ckpt_fp8_t() { paired final_ckpt_fp8_l32_n8_t "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32 \
+  --checkpoint_activations=True; }
+ckpt_bf16_t() { paired final_ckpt_bf16_l32_n8_t "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32 \
+  --checkpoint_activations=True; }
+bf16_d() { paired final_bf16_l32_n8_d "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
+wave_s20_built() { while [ -e "$R/busy/ckpt_fp8_t" ] || [ -e "$R/busy/ckpt_bf16_t" ] || [ -e "$R/busy/bf16_d" ]; do sleep 5; done; }
+fp8_stream() { wave_s20_built; paired final_fp8_l32_n8_stream "$DEFAULT_ARMS" 40 --one-model --comm-stream -- \
+  $FLAGS $FP8 --n_layers=32; }
+
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
   # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
@@ -293,7 +305,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms cprof fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms cprof fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built wave_s20_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -335,7 +347,9 @@ case "${1:-}" in
       s18) launch fp8_c fp8_d; echo 2 > "$R/logs/expected" ;;
       # the final code: the GPU module beside the builds, then the FP8 default's third launch and bf16's, timed alone
       s19) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_e bf16_b; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s19"; exit 2 ;;
+      # 2026-12-04, second session: see above (ckpt_fp8_t)
+      s20) launch ckpt_fp8_t ckpt_bf16_t bf16_d fp8_stream; echo 4 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s20"; exit 2 ;;
     esac
     echo started ;;
   collect)

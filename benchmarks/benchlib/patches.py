@@ -71,15 +71,25 @@ def pass_gathers_on_their_own_stream() -> None:
             torch.cuda.current_stream().wait_event(self.event)
 
     def gather_start(shard, offset, nbytes, k, group):
-        mine = shard if nbytes == shard.numel() else shard[offset : offset + nbytes]
-        out = shard.new_empty(nbytes * k)
+        if type(shard) is tuple:  # a bucket's sources (own shards): one coalesced all-gather into one buffer
+            ins = [s.detach().reshape(-1).view(torch.uint8) for s in shard]
+            out = ins[0].new_empty(nbytes)
+            outs = [out[o : o + x.numel() * k] for o, x in zip(offset, ins)]
+        else:
+            ins = [shard if nbytes == shard.numel() else shard[offset : offset + nbytes]]
+            out = shard.new_empty(nbytes * k)
+            outs = [out]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            group._allgather_base(out, mine, ops._ASYNC)
+            if len(ins) == 1:
+                group._allgather_base(outs[0], ins[0], ops._ASYNC)
+            else:
+                group.allgather_into_tensor_coalesced(outs, ins, ops._ASYNC)
             event = torch.cuda.Event()
             event.record(side)
         out.record_stream(side)
-        mine.record_stream(side)
+        for t in ins:
+            t.record_stream(side)
         return ops.GatherHandle(StreamWork(event), out)
 
     ops._gather_start = gather_start  # the operators fp8shard_gather_start and _gather_next look it up at each call
