@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s20: every job in the background, results under $R,
+# The device sittings on one H200 (simulated ranks), s1 to s21: every job in the background, results under $R,
 # collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
 # NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -296,6 +296,10 @@ bf16_d() { paired final_bf16_l32_n8_d "$DEFAULT_ARMS" 40 --one-model -- $FLAGS -
 wave_s20_built() { while [ -e "$R/busy/ckpt_fp8_t" ] || [ -e "$R/busy/ckpt_bf16_t" ] || [ -e "$R/busy/bf16_d" ]; do sleep 5; done; }
 fp8_stream() { wave_s20_built; paired final_fp8_l32_n8_stream "$DEFAULT_ARMS" 40 --one-model --comm-stream -- \
   $FLAGS $FP8 --n_layers=32; }
+# s21 (the same session, its last device minutes): one more launch of each FP8 render, built side by side
+fp8_f() { paired final_fp8_l32_n8_f "$DEFAULT_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32; }
+fp8_stream_b() { paired final_fp8_l32_n8_stream_b "$DEFAULT_ARMS" 32 --one-model --comm-stream -- $FLAGS $FP8 \
+  --n_layers=32; }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -349,7 +353,8 @@ case "${1:-}" in
       s19) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_e bf16_b; echo 3 > "$R/logs/expected" ;;
       # 2026-12-04, second session: see above (ckpt_fp8_t)
       s20) launch ckpt_fp8_t ckpt_bf16_t bf16_d fp8_stream; echo 4 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s20"; exit 2 ;;
+      s21) launch fp8_f fp8_stream_b; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s21"; exit 2 ;;
     esac
     echo started ;;
   collect)
