@@ -71,7 +71,8 @@ def program_device(trace: TraceCtx) -> str | None:
 def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) -> ProgramFacts:
     """The facts of ``fw`` + ``bw`` (Thunder's augmented forward and its backward); ``te_names``: if the caller has
     them."""
-    te = frozenset(te_quantized_names(fw) if te_names is None else te_names)
+    # and the backward's: a checkpointed block's TE linear forward runs again there (1 byte an element, not bf16's 2)
+    te = frozenset(te_quantized_names(fw) if te_names is None else te_names) | te_quantized_names(bw)
     saved, saved_other = forward_saved(fw)
     graph = joint_graph(fw, bw)
     args = tuple(forward_inputs(fw))
