@@ -269,7 +269,7 @@ def older(root: Path) -> str:
 
 def launches(root: Path, each_launch: bool = True) -> str:
     """Each default's launches by render: how many, the median of their medians, their range, and (``each_launch``)
-    each one; without ``each_launch`` (the README's), only the renders since s16's."""
+    each one; without ``each_launch`` (the README's), s16's render left out."""
     out = ["| setup | an all-gather rendered as | launches | median of the medians | range |"
            + (" each: overhead [95% CI] (A/A null) |" if each_launch else ""),
            "|---|---|---|---|---|" + ("---|" if each_launch else "")]

@@ -363,7 +363,7 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
 def test_a_te_linear_recomputed_in_the_backward_is_counted_at_its_fp8_bytes():
     """Under activation checkpointing the backward runs a block's TE linear forward again: its quantized input and
     weight occupy 1 byte an element there as in the forward (their proxies print bf16). Counted at bf16's 2, they put
-    the checkpointed FP8 plan's predicted peak about 220 MB over the device's at 32 layers (s20: +2.48%)."""
+    the checkpointed FP8 plans' predicted peaks over the device's (benchmarks/results/h200_2026-12-04/NOTES.md)."""
     from thunder_fp8shard.analysis.program import program_facts
 
     trace, _ = forward([(64, 32)])
