@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s21: every job in the background, results under $R,
+# The device sittings on one H200 (simulated ranks), s1 to s23 (s22: paired.py alone): every job in the background, results under $R,
 # collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
 # NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -300,6 +300,11 @@ fp8_stream() { wave_s20_built; paired final_fp8_l32_n8_stream "$DEFAULT_ARMS" 40
 fp8_f() { paired final_fp8_l32_n8_f "$DEFAULT_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32; }
 fp8_stream_b() { paired final_fp8_l32_n8_stream_b "$DEFAULT_ARMS" 32 --one-model --comm-stream -- $FLAGS $FP8 \
   --n_layers=32; }
+# s23 (not run yet): the GPU module on the code after s19 (the compaction options in one function, the backward's TE
+# names), beside the builds of the FP8 default's next launch and checkpointed FP8's second (its prediction fixed)
+fp8_g() { paired final_fp8_l32_n8_g "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+ckpt_fp8_u() { paired final_ckpt_fp8_l32_n8_u "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32 \
+  --checkpoint_activations=True; }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -354,7 +359,8 @@ case "${1:-}" in
       # 2026-12-04, second session: see above (ckpt_fp8_t)
       s20) launch ckpt_fp8_t ckpt_bf16_t bf16_d fp8_stream; echo 4 > "$R/logs/expected" ;;
       s21) launch fp8_f fp8_stream_b; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s21"; exit 2 ;;
+      s23) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_g ckpt_fp8_u; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s23"; exit 2 ;;
     esac
     echo started ;;
   collect)
