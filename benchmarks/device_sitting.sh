@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device sittings on one H200 (simulated ranks), s1 to s23 (s22 was paired.py alone): every job in the background,
-# results under $R, collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran and found: the
-# NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
+# results under $R, collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran
+# and found: the NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
 #   benchmarks/device_sitting.sh start s16  # launches sitting s16's jobs (returns at once); any sitting likewise
 #   benchmarks/device_sitting.sh collect    # waits up to $WAIT seconds for them, then tars what exists into $OUT
