@@ -51,9 +51,11 @@ def test_never_worse_and_exact_on_generated_models(on_ranks):
                 assert plan.peak_bytes_after <= plan.peak_bytes_before, where
                 assert with_pass["peak"] <= base["peak"], (where, base["peak"], with_pass["peak"], verdict(plan))
                 assert all(d.bytes_saved > 0 for d in plan.sharded), where
-                sharded |= {(case.setup, candidates, d.kind) for d in plan.sharded}
+                setup = case.setup + (" checkpointed" if "checkpoint" in case.layers else "")
+                sharded |= {(setup, candidates, d.kind) for d in plan.sharded}
     # not vacuous: FP8 copies sharded under every setup (under DDP with candidates="all" too: its parameters' aliases
-    # are left alone, the copies are not); and under the default
+    # are left alone, the copies are not); and under the default, checkpointed blocks too
     assert {("ZERO3", "fp8", "float8"), ("ZERO3", "all", "float8"), ("ZERO2", "auto", "float8"),
             ("DDP", "all", "float8"), ("DDP", "auto", "float8"), ("ZERO3", "auto", "float8"),
-            ("FSDP2", "auto", "float8"), ("FSDP2", "all", "float8")} <= sharded, sharded
+            ("FSDP2", "auto", "float8"), ("FSDP2", "all", "float8"),
+            ("ZERO3 checkpointed", "auto", "float8")} <= sharded, sharded
