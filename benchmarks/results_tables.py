@@ -91,6 +91,7 @@ class Launch:
 BROADCAST, CAT = "a broadcast `copy_` (s16)", "one `cat` (since s17)"
 SIDE = "one `cat`, the pass's on a side stream"  # paired.py --comm-stream
 S18, S21 = "h200_2026-12-04/s18/paired/final", "h200_2026-12-04/s21/paired/final"
+S23 = "h200_2026-12-04/s23/paired/final"
 # every launch of each default at 32 layers since the defaults changed (s16), none left out
 LAUNCHES = {
     "FP8 (TE), the default": (
@@ -100,6 +101,7 @@ LAUNCHES = {
         Launch("s18", "d", CAT, run(f"{S18}_fp8_l32_n8_d", "default", "")),
         Launch("s19", "e", CAT, run(f"{S19}_fp8_l32_n8_e", "default", "")),
         Launch("s21", "f", CAT, run(f"{S21}_fp8_l32_n8_f", "default", "")),
+        Launch("s23", "g", CAT, run(f"{S23}_fp8_l32_n8_g", "default", "")),
         Launch("s20", "a", SIDE, run(f"{S20}_fp8_l32_n8_stream", "default", "")),
         Launch("s21", "b", SIDE, run(f"{S21}_fp8_l32_n8_stream_b", "default", "")),
     ),
@@ -109,7 +111,10 @@ LAUNCHES = {
         Launch("s19", "c", CAT, run(f"{S19}_bf16_l32_n8_c", "default", "")),
         Launch("s20", "d", CAT, run(f"{S20}_bf16_l32_n8_d", "default", "")),
     ),
-    "FP8 (TE), checkpointed, the default": (Launch("s20", "t", CAT, run(f"{S20}_ckpt_fp8_l32_n8_t", "default", "")),),
+    "FP8 (TE), checkpointed, the default": (
+        Launch("s20", "t", CAT, run(f"{S20}_ckpt_fp8_l32_n8_t", "default", "")),
+        Launch("s23", "u", CAT, run(f"{S23}_ckpt_fp8_l32_n8_u", "default", "")),
+    ),
     "bf16, checkpointed, the default": (Launch("s20", "t", CAT, run(f"{S20}_ckpt_bf16_l32_n8_t", "default", "")),),
 }
 

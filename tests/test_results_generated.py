@@ -56,12 +56,14 @@ def test_the_headline_reads_s19s_s20s_and_s22s_files():
 def test_every_launch_is_counted_by_render_with_the_median_of_the_medians():
     text = results_tables.launches(ROOT)
     assert "| FP8 (TE), the default | a broadcast `copy_` (s16) | 2 | +4.16% | +4.14% to +4.18% |" in text
-    assert "| FP8 (TE), the default | one `cat` (since s17) | 4 | +1.61% | +0.70% to +2.05% | " \
+    assert "| FP8 (TE), the default | one `cat` (since s17) | 5 | +1.59% | +0.70% to +2.05% | " \
            "s18 c: +2.05% [+1.27, +2.91] (−0.42%); s18 d: +1.70% [+1.27, +2.87] (+0.26%); " \
-           "s19 e: +1.52% [+1.08, +1.60] (+0.12%); s21 f: +0.70% [−0.21, +2.24] (−0.38%) |" in text
+           "s19 e: +1.52% [+1.08, +1.60] (+0.12%); s21 f: +0.70% [−0.21, +2.24] (−0.38%); " \
+           "s23 g: +1.59% [+0.20, +3.22] (−0.18%) |" in text
     assert "| FP8 (TE), the default | one `cat`, the pass's on a side stream | 2 | +2.07% | " \
            "+1.41% to +2.74% |" in text
     assert "| bf16, the default | one `cat` (since s17) | 3 | +1.42% | +1.40% to +1.48% |" in text
+    assert "| FP8 (TE), checkpointed, the default | one `cat` (since s17) | 2 | +1.09% | +0.67% to +1.52% |" in text
     assert "| bf16, checkpointed, the default | one `cat` (since s17) | 1 | +0.31% |" in text
     assert "each:" not in results_tables.launches(ROOT, each_launch=False)
 
