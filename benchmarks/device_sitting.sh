@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device sittings on one H200 (simulated ranks), s1 to s23 (s22 was paired.py alone): every job in the background,
+# The device sittings on one H200 (simulated ranks), s1 to s24 (s22 was paired.py alone): every job in the background,
 # results under $R, collected by `benchmarks/device_sitting.sh collect` (a tarball into $OUT). What each sitting ran
 # and found: the NOTES.md of its folder, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (sittings with an "old" arm: carry .rev/, see OLD below):
@@ -306,6 +306,13 @@ fp8_g() { paired final_fp8_l32_n8_g "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP
 ckpt_fp8_u() { paired final_ckpt_fp8_l32_n8_u "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32 \
   --checkpoint_activations=True; }
 
+# s24 (the third session): what the FP8 default's time is made of, every arm a program of one model: the default,
+# the default without compaction (compact="off") and compaction alone (CompactSavedViews), with bf16's fourth launch
+fp8_parts_h() { paired final_fp8_l32_n8_h '{"without": null, "null": null, "default": {"optimizer_states": 2},
+  "nocompact": {"optimizer_states": 2, "compact": "off"}, "compact": {"pass": "compact", "optimizer_states": 2}}' 40 \
+  --one-model -- $FLAGS $FP8 --n_layers=32; }
+bf16_e() { paired final_bf16_l32_n8_e "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
+
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
   # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
@@ -360,7 +367,8 @@ case "${1:-}" in
       s20) launch ckpt_fp8_t ckpt_bf16_t bf16_d fp8_stream; echo 4 > "$R/logs/expected" ;;
       s21) launch fp8_f fp8_stream_b; echo 2 > "$R/logs/expected" ;;
       s23) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_g ckpt_fp8_u; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s23"; exit 2 ;;
+      s24) launch fp8_parts_h bf16_e; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s24"; exit 2 ;;
     esac
     echo started ;;
   collect)
