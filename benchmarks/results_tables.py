@@ -1,4 +1,4 @@
-"""The results tables of README.md and docs/results.md, generated from the committed JSONs under benchmarks/results/.
+"""The results tables of README.md, docs/results.md and benchmarks/results/EARLIER.md, generated from the committed JSONs under benchmarks/results/.
 
     python benchmarks/results_tables.py          # rewrite the generated regions
     python benchmarks/results_tables.py --check  # exit 1, naming each file that is not what the JSONs give
@@ -91,7 +91,7 @@ class Launch:
 BROADCAST, CAT = "a broadcast `copy_` (s16)", "one `cat` (since s17)"
 SIDE = "one `cat`, the pass's on a side stream"  # paired.py --comm-stream
 S18, S21 = "h200_2026-12-04/s18/paired/final", "h200_2026-12-04/s21/paired/final"
-S23 = "h200_2026-12-04/s23/paired/final"
+S23, S24 = "h200_2026-12-04/s23/paired/final", "h200_2026-12-04/s24/paired/final"
 # every launch of each default at 32 layers since the defaults changed (s16), none left out
 LAUNCHES = {
     "FP8 (TE), the default": (
@@ -102,6 +102,7 @@ LAUNCHES = {
         Launch("s19", "e", CAT, run(f"{S19}_fp8_l32_n8_e", "default", "")),
         Launch("s21", "f", CAT, run(f"{S21}_fp8_l32_n8_f", "default", "")),
         Launch("s23", "g", CAT, run(f"{S23}_fp8_l32_n8_g", "default", "")),
+        Launch("s24", "h", CAT, run(f"{S24}_fp8_l32_n8_h", "default", "")),
         Launch("s20", "a", SIDE, run(f"{S20}_fp8_l32_n8_stream", "default", "")),
         Launch("s21", "b", SIDE, run(f"{S21}_fp8_l32_n8_stream_b", "default", "")),
     ),
@@ -110,6 +111,7 @@ LAUNCHES = {
         Launch("s19", "b", CAT, run(f"{S19}_bf16_l32_n8_b", "default", "")),
         Launch("s19", "c", CAT, run(f"{S19}_bf16_l32_n8_c", "default", "")),
         Launch("s20", "d", CAT, run(f"{S20}_bf16_l32_n8_d", "default", "")),
+        Launch("s24", "e", CAT, run(f"{S24}_bf16_l32_n8_e", "default", "")),
     ),
     "FP8 (TE), checkpointed, the default": (
         Launch("s20", "t", CAT, run(f"{S20}_ckpt_fp8_l32_n8_t", "default", "")),
@@ -122,6 +124,10 @@ S13, S12, S11, S9 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-1
 S7 = "h200_2026-12-02d"
 S4, S56 = "h200_2026-12-02b", "h200_2026-12-02c"  # s3 and s4; s5 and s6
 OLDER = (
+    Sitting("s24", "h200_2026-12-04/NOTES.md", (
+        run(f"{S24}_fp8_l32_n8_h", "nocompact", 'FP8, the default with `compact="off"`, beside launch h'),
+        run(f"{S24}_fp8_l32_n8_h", "compact", "FP8, compaction alone, beside launch h"),
+    )),
     Sitting("s16", "h200_2026-12-03d/NOTES.md", (
         run(f"{S16}_fp8_l32_n8_a", "fwdgather", "FP8 (TE), `fp8_forward_gather=True`, beside the default's launch a"),
     )),
@@ -267,7 +273,7 @@ def older(root: Path) -> str:
     for s in OLDER:
         for i, r in enumerate(s.rows):
             f = figures(root, r)
-            where = f"[{s.name + ', ' if s.name else ''}{f.date}](../{RESULTS}/{s.notes})" if i == 0 else ""
+            where = f"[{s.name + ', ' if s.name else ''}{f.date}]({s.notes})" if i == 0 else ""  # beside the notes
             out.append(f"| {where} | {r.label} | {f.overhead} | {f.base} | {f.null} | {f.peaks} | {f.error} |")
     return "\n".join(out) + "\n"
 
@@ -293,7 +299,8 @@ def launches(root: Path, each_launch: bool = True, left_out: tuple[str, ...] = (
     return "\n".join(out) + "\n"
 
 
-PAGES = {"README.md": ("headline", "launches_short"), "docs/results.md": ("headline", "launches", "older")}
+PAGES = {"README.md": ("headline", "launches_short"), "docs/results.md": ("headline", "launches"),
+         f"{RESULTS}/EARLIER.md": ("older",)}
 REGION = re.compile(r"(<!-- results:(\w+) begin[^>]*-->\n)(.*?)(<!-- results:\2 end -->)", re.S)
 
 
