@@ -10,6 +10,7 @@ Usage: python benchmarks/op_call_cost.py [--repeat 20000]
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import timeit
 
@@ -40,20 +41,26 @@ def main() -> None:
     if hasattr(ops, "_audit"):
         from thunder_fp8shard.runtime.audit import SavedAudit
 
-        a = SavedAudit(None, [], [])
+        a = _blank(SavedAudit, expected=[], names=[])
         a.done, a.counting = True, False
         audit = ops._audit
         rows["fp8shard_audit, done"] = per_call_us(lambda: audit((v,), a), args.repeat)
     if hasattr(ops, "_calibrate"):
         from thunder_fp8shard.runtime.audit import Calibration
 
-        c = Calibration(None, None, None, None, None, a)
+        c = _blank(Calibration, audit=a)
         c.done = True
         calibrate = ops._calibrate
         rows["fp8shard_calibrate, done"] = per_call_us(lambda: calibrate(c), args.repeat)
     for name, us in rows.items():
         print(f"{us:8.2f} us  {name}")
     print(json.dumps({k: round(us, 3) for k, us in rows.items()}))
+
+
+def _blank(cls, **given):
+    """``cls`` made with ``given`` and None for its other required arguments (their names differ by version)."""
+    required = [p.name for p in inspect.signature(cls).parameters.values() if p.default is p.empty]
+    return cls(*[given.get(name) for name in required])
 
 
 def _extra_args(ops) -> tuple:
