@@ -300,8 +300,8 @@ fp8_stream() { wave_s20_built; paired final_fp8_l32_n8_stream "$DEFAULT_ARMS" 40
 fp8_f() { paired final_fp8_l32_n8_f "$DEFAULT_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32; }
 fp8_stream_b() { paired final_fp8_l32_n8_stream_b "$DEFAULT_ARMS" 32 --one-model --comm-stream -- $FLAGS $FP8 \
   --n_layers=32; }
-# s23 (2026-12-04, third session): the GPU module on the code after s19 (the compaction options in one function, the backward's TE
-# names), beside the builds of the FP8 default's next launch and checkpointed FP8's second (its prediction fixed)
+# s23 (2026-12-04, third session): the GPU module on the code after s19 (the compaction options in one function, the
+# backward's TE names), beside the builds of the FP8 default's next launch and checkpointed FP8's second
 fp8_g() { paired final_fp8_l32_n8_g "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 ckpt_fp8_u() { paired final_ckpt_fp8_l32_n8_u "$DEFAULT_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32 \
   --checkpoint_activations=True; }

@@ -1,4 +1,5 @@
-"""The results tables of README.md, docs/results.md and benchmarks/results/EARLIER.md, generated from the committed JSONs under benchmarks/results/.
+"""The results tables of README.md, docs/results.md and benchmarks/results/EARLIER.md, generated from the committed
+JSONs under benchmarks/results/.
 
     python benchmarks/results_tables.py          # rewrite the generated regions
     python benchmarks/results_tables.py --check  # exit 1, naming each file that is not what the JSONs give

@@ -1,6 +1,6 @@
-"""Results as data: README.md's headline table, docs/results.md's and benchmarks/results/EARLIER.md's tables are what ``benchmarks/results_tables.py``
-makes of the committed JSONs; the markdown outside ``benchmarks/results/`` stays short, and no tracked page or
-notebook holds a path of someone's machine."""
+"""Results as data: README.md's headline table and the tables of docs/results.md and benchmarks/results/EARLIER.md
+are what ``benchmarks/results_tables.py`` makes of the committed JSONs; the markdown outside ``benchmarks/results/``
+stays short, and no tracked page or notebook holds a path of someone's machine."""
 
 import re
 import subprocess
