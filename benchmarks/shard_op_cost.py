@@ -92,7 +92,8 @@ def main() -> None:
     rows["the 8 payloads taken apart and put back"] = timed(take_give, arm, args.calls, sync)
     flat = [b for o in objs for b in payload.take(o)[0]]
     arm()
-    rows["this rank's slice copied (_slice)"] = timed(lambda: ops._slice(spec0, spec0.program, flat), arm, args.calls, sync)
+    rows["this rank's slice copied (_slice)"] = timed(lambda: ops._slice(spec0, spec0.program, flat), arm, args.calls,
+                                                      sync)
     piece = flat[0].view(-1)[: lay.shard_nbytes]
     rows["a bare clone of the slice's bytes"] = timed(lambda: piece.clone(), arm, args.calls, sync)
     copies = ops.CompactCopies()
