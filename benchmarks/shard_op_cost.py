@@ -6,7 +6,8 @@ Rank 0 of 8 in torch's fake process group; a bucket of eight FP8 weight copies o
 carry them, five compaction views shaped like LitGPT's ``v`` (a strided view of ``qkv``). Each variant is called
 ``--calls`` times after a warm-up; the figure is the median per call of the wall and the thread CPU time, the device
 synchronized every ten calls outside the timings. The parts: the payloads taken apart and put back, this rank's
-slice copied, the compaction copies, and a bare ``clone`` of the slice's bytes.
+slice copied, the compaction copies, and a bare ``clone`` of the slice's bytes; and the shard op where its return
+frees the copies' buffers, as in a step (elsewhere they stay held between calls).
 Usage: python benchmarks/shard_op_cost.py [--device cuda] [--calls 300] [--out shard_op_cost.json]
 """
 
@@ -83,6 +84,14 @@ def main() -> None:
     rows["fp8shard_shard, 8 copies"] = timed(lambda: ops._shard(buckets, spec0), arm, args.calls, sync)
     rows["fp8shard_shard, 8 copies and 5 compaction views"] = timed(
         lambda: ops._shard(buckets, spec5, views), arm, args.calls, sync)
+
+    def arm_fresh():  # new buffers that only the copies hold: the shard op's return frees them, as in a step
+        for o, attrs in held:
+            for a, t in attrs.items():
+                setattr(o, a, None if t is None else torch.empty_like(t))
+
+    rows["fp8shard_shard, 8 copies whose buffers it frees"] = timed(lambda: ops._shard(buckets, spec0), arm_fresh,
+                                                                     args.calls, sync)
 
     def take_give():
         for o in objs:
