@@ -80,13 +80,17 @@ HEADLINE = Sitting("s19", "h200_2026-12-04/NOTES.md", (
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch of a configuration: its sitting, its name there, and how the simulation rendered an all-gather
-    (the instrument changed between sittings)."""
+    """One launch of a configuration: its sitting, its name there, how the simulation rendered an all-gather (the
+    instrument changed between sittings), and its files' prefix (``paired.py``'s ``<prefix>_{default,null}.json``)."""
 
     sitting: str
     name: str
     render: str
-    row: Row
+    prefix: str
+
+    @property
+    def row(self) -> Row:
+        return run(self.prefix, "default", "")
 
 
 BROADCAST, CAT = "a broadcast `copy_` (s16)", "one `cat` (since s17)"
@@ -96,29 +100,29 @@ S23, S24 = "h200_2026-12-04/s23/paired/final", "h200_2026-12-04/s24/paired/final
 # every launch of each default at 32 layers since the defaults changed (s16), none left out
 LAUNCHES = {
     "FP8 (TE), the default": (
-        Launch("s16", "a", BROADCAST, run(f"{S16}_fp8_l32_n8_a", "default", "")),
-        Launch("s16", "b", BROADCAST, run(f"{S16}_fp8_l32_n8_b", "default", "")),
-        Launch("s18", "c", CAT, run(f"{S18}_fp8_l32_n8_c", "default", "")),
-        Launch("s18", "d", CAT, run(f"{S18}_fp8_l32_n8_d", "default", "")),
-        Launch("s19", "e", CAT, run(f"{S19}_fp8_l32_n8_e", "default", "")),
-        Launch("s21", "f", CAT, run(f"{S21}_fp8_l32_n8_f", "default", "")),
-        Launch("s23", "g", CAT, run(f"{S23}_fp8_l32_n8_g", "default", "")),
-        Launch("s24", "h", CAT, run(f"{S24}_fp8_l32_n8_h", "default", "")),
-        Launch("s20", "a", SIDE, run(f"{S20}_fp8_l32_n8_stream", "default", "")),
-        Launch("s21", "b", SIDE, run(f"{S21}_fp8_l32_n8_stream_b", "default", "")),
+        Launch("s16", "a", BROADCAST, f"{S16}_fp8_l32_n8_a"),
+        Launch("s16", "b", BROADCAST, f"{S16}_fp8_l32_n8_b"),
+        Launch("s18", "c", CAT, f"{S18}_fp8_l32_n8_c"),
+        Launch("s18", "d", CAT, f"{S18}_fp8_l32_n8_d"),
+        Launch("s19", "e", CAT, f"{S19}_fp8_l32_n8_e"),
+        Launch("s21", "f", CAT, f"{S21}_fp8_l32_n8_f"),
+        Launch("s23", "g", CAT, f"{S23}_fp8_l32_n8_g"),
+        Launch("s24", "h", CAT, f"{S24}_fp8_l32_n8_h"),
+        Launch("s20", "a", SIDE, f"{S20}_fp8_l32_n8_stream"),
+        Launch("s21", "b", SIDE, f"{S21}_fp8_l32_n8_stream_b"),
     ),
     "bf16, the default": (
-        Launch("s16", "a", BROADCAST, run(f"{S16}_bf16_l32_n8", "default", "")),
-        Launch("s19", "b", CAT, run(f"{S19}_bf16_l32_n8_b", "default", "")),
-        Launch("s19", "c", CAT, run(f"{S19}_bf16_l32_n8_c", "default", "")),
-        Launch("s20", "d", CAT, run(f"{S20}_bf16_l32_n8_d", "default", "")),
-        Launch("s24", "e", CAT, run(f"{S24}_bf16_l32_n8_e", "default", "")),
+        Launch("s16", "a", BROADCAST, f"{S16}_bf16_l32_n8"),
+        Launch("s19", "b", CAT, f"{S19}_bf16_l32_n8_b"),
+        Launch("s19", "c", CAT, f"{S19}_bf16_l32_n8_c"),
+        Launch("s20", "d", CAT, f"{S20}_bf16_l32_n8_d"),
+        Launch("s24", "e", CAT, f"{S24}_bf16_l32_n8_e"),
     ),
     "FP8 (TE), checkpointed, the default": (
-        Launch("s20", "t", CAT, run(f"{S20}_ckpt_fp8_l32_n8_t", "default", "")),
-        Launch("s23", "u", CAT, run(f"{S23}_ckpt_fp8_l32_n8_u", "default", "")),
+        Launch("s20", "t", CAT, f"{S20}_ckpt_fp8_l32_n8_t"),
+        Launch("s23", "u", CAT, f"{S23}_ckpt_fp8_l32_n8_u"),
     ),
-    "bf16, checkpointed, the default": (Launch("s20", "t", CAT, run(f"{S20}_ckpt_bf16_l32_n8_t", "default", "")),),
+    "bf16, checkpointed, the default": (Launch("s20", "t", CAT, f"{S20}_ckpt_bf16_l32_n8_t"),),
 }
 
 S13, S12, S11, S9 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-12-03b/s11", "h200_2026-12-03/s9"
