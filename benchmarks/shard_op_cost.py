@@ -63,10 +63,11 @@ def main() -> None:
     objs = _weights(torch, dev)
     held = [(o, dict((a, getattr(o, a)) for a in ("_data", "_transpose") if hasattr(o, "_data"))) for o in objs]
 
-    def arm():  # every copy holds its buffers again (a shard op takes them)
+    def arm(fresh: bool = False):  # every copy holds its buffers again (a shard op takes them); ``fresh``: new
+        # buffers that only the copies hold, so that the shard op's return frees them, as in a step
         for o, attrs in held:
             for a, t in attrs.items():
-                setattr(o, a, t)
+                setattr(o, a, torch.empty_like(t) if fresh and t is not None else t)
 
     sizes = []
     for o in objs:
@@ -85,13 +86,8 @@ def main() -> None:
     rows["fp8shard_shard, 8 copies and 5 compaction views"] = timed(
         lambda: ops._shard(buckets, spec5, views), arm, args.calls, sync)
 
-    def arm_fresh():  # new buffers that only the copies hold: the shard op's return frees them, as in a step
-        for o, attrs in held:
-            for a, t in attrs.items():
-                setattr(o, a, None if t is None else torch.empty_like(t))
-
-    rows["fp8shard_shard, 8 copies whose buffers it frees"] = timed(lambda: ops._shard(buckets, spec0), arm_fresh,
-                                                                     args.calls, sync)
+    rows["fp8shard_shard, 8 copies whose buffers it frees"] = timed(lambda: ops._shard(buckets, spec0),
+                                                                     lambda: arm(fresh=True), args.calls, sync)
 
     def take_give():
         for o in objs:
