@@ -254,7 +254,7 @@ ckpt_bf16_mem() { wave_one_built; memory_arms final_ckpt_bf16_l32_n8 '{"without"
   "default": {"optimizer_states": 2}}' $FLAGS --n_layers=32 --checkpoint_activations=True; }
 gpu_tests() {
   mkdir -p "$R/gpu"
-  OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
+  OUT="$R/gpu" python3 -m pytest -q tests/test_te_gpu.py tests/test_multicopy.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
     > "$R/logs/test_te_gpu.log" 2>&1
   echo "gpu_tests rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
@@ -313,6 +313,20 @@ fp8_parts_h() { paired final_fp8_l32_n8_h '{"without": null, "null": null, "defa
   --one-model -- $FLAGS $FP8 --n_layers=32; }
 bf16_e() { paired final_bf16_l32_n8_e "$DEFAULT_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
 
+# s26 (2026-12-05): the shard op's copies in one kernel launch (runtime/multicopy.py). The GPU module and the kernel's
+# tests beside the builds; the FP8 default, exactly {} as a user writes it, beside the pass as the session found it
+# (0b4b687: carry .rev/, `git archive -o .rev/0b4b687.tar 0b4b687 thunder_fp8shard`); the FP8 default's next launch;
+# then bf16's, built after both FP8 runs are timed (a build beside a timed run would share its CPU)
+USER_ARMS='{"without": null, "null": null, "default": {}}'
+fp8_i() { paired final_fp8_l32_n8_i '{"without": null, "null": null, "old": {"revision": "0b4b687"}, "default": {}}' \
+  40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+fp8_j() { paired final_fp8_l32_n8_j "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+bf16_f() {
+  while ! grep -q "fp8_j rc=" "$R/logs/done" 2>/dev/null || ! grep -q "fp8_i rc=" "$R/logs/done" 2>/dev/null; do
+    sleep 5; done
+  paired final_bf16_l32_n8_f "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32
+}
+
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
   # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
@@ -321,7 +335,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms cprof fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built wave_s20_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired memory_only memory_arms cprof fp8_32_again fp8_32_fwd_again ckpt_resched wave_one_built wave_s20_built "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' OLD='$OLD' USER_ARMS='$USER_ARMS' B='$B' FWD='$FWD' RESCHED='$RESCHED' RESCHED_DEFAULT='$RESCHED_DEFAULT' DEFAULT_ARMS='$DEFAULT_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -368,7 +382,9 @@ case "${1:-}" in
       s21) launch fp8_f fp8_stream_b; echo 2 > "$R/logs/expected" ;;
       s23) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_g ckpt_fp8_u; echo 3 > "$R/logs/expected" ;;
       s24) launch fp8_parts_h bf16_e; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s1|...|s24"; exit 2 ;;
+      s26) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_i fp8_j bf16_f  # bf16_f builds after both are timed
+        rm -f "$R/busy/bf16_f"; echo 4 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s26"; exit 2 ;;
     esac
     echo started ;;
   collect)

@@ -23,7 +23,7 @@ from thunder.extend import OperatorExecutor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES
-from thunder_fp8shard.runtime import payload
+from thunder_fp8shard.runtime import multicopy, payload
 from thunder_fp8shard.planning.layout import BucketLayout, bucket_layout, packed_offsets, sources_layout
 
 executor = OperatorExecutor("fp8shard")
@@ -152,9 +152,11 @@ class SourceRestorer:
 
 class _Program:
     """What a shard op works out from its payloads' buffers, valid while their kinds, counts, shapes and
-    dtypes stay the same: this rank's ``pieces`` of the shard, the buckets' ``layouts`` and ``restores``."""
+    dtypes stay the same: this rank's ``pieces`` of the shard, the buckets' ``layouts`` and ``restores``, and on a
+    CUDA device its one-launch copies (``launch``, worked out on the first call)."""
 
-    __slots__ = ("kinds", "counts", "shapes", "dtypes", "pieces", "tiled", "dtype", "layouts", "offsets", "restores")
+    __slots__ = ("kinds", "counts", "shapes", "dtypes", "pieces", "tiled", "dtype", "layouts", "offsets", "restores",
+                 "launch")
 
 
 def _program(spec: ShardSpec, buckets, kinds: list, counts: list[int], buffers: list[torch.Tensor]) -> _Program:
@@ -187,6 +189,7 @@ def _program(spec: ShardSpec, buckets, kinds: list, counts: list[int], buffers: 
     prog.dtype = read.pop() if len(read) == 1 and buffers[pieces[0][0]].element_size() == 1 else _UINT8
     prog.pieces = tuple((k, start, n, prog.dtypes[k] is not prog.dtype, at) for k, start, n, at in pieces)
     prog.restores = tuple(restores)
+    prog.launch = _UNSET
     return prog
 
 
@@ -250,15 +253,66 @@ def _shard(buckets, spec: ShardSpec, views=()):
     if spec.verify:
         _verify(spec, counts, buffers)
     if spec.method == "reduce_scatter":
-        shard = _reduce_scatter(spec, prog, buffers)
+        shard, made = _reduce_scatter(spec, prog, buffers), spec.copies(views) if views else ()
     else:
-        shard = _slice(spec, prog, buffers)
-    return (shard, *[Restorer(r, s) for r, s in zip(prog.restores, states)], *(spec.copies(views) if views else ()))
+        shard, made = _slice_and_compact(spec, prog, buffers, views)
+    return (shard, *[Restorer(r, s) for r, s in zip(prog.restores, states)], *made)
+
+
+_UNSET = object()  # a program's launch before its first call
+
+
+class _Launch:
+    """A program's copies in one kernel launch (:mod:`~thunder_fp8shard.runtime.multicopy`): this rank's pieces
+    (``sources``: buffer and first byte, ``targets``: offset in the shard), then the items of the compaction views
+    as their call site's :class:`CompactCopies` saw them (``strides``)."""
+
+    __slots__ = ("copies", "strides", "sources", "targets")
+
+
+def _launch(prog: _Program, buffers: list[torch.Tensor], views, compact: CompactCopies) -> _Launch | None:
+    """The one-launch copies of ``prog`` and ``compact``'s views (None: not all on one device with the kernel)."""
+    device = _one_device((*buffers, *views))
+    if device is None:
+        return None
+    launch = _Launch()
+    launch.strides = compact.strides
+    launch.sources = tuple((k, start) for k, start, *_ in prog.pieces)
+    launch.targets = tuple(at for *_, at in prog.pieces)
+    items = [multicopy.Item(n) for _, _, n, _, _ in prog.pieces] + [i for i in compact.items if i is not None]
+    launch.copies = multicopy.Copies.on(items, device)
+    return launch if launch.copies is not None else None
+
+
+def _one_device(tensors) -> torch.device | None:
+    """The CUDA device of all ``tensors`` (None: another device, or several)."""
+    on = {t.device for t in tensors}
+    device = on.pop() if len(on) == 1 else None
+    return device if device is not None and device.type == "cuda" else None
+
+
+def _slice_and_compact(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor], views) -> tuple:
+    """This rank's bytes of the buckets, a fresh allocation (so the full buffers are freed once the forward drops
+    them), and a compact copy of each view: one kernel launch on a CUDA device, else torch's copies."""
+    compact = spec.copies
+    if views:
+        compact.update(views)
+    launch = prog.launch
+    if launch is _UNSET or (launch is not None and launch.strides is not compact.strides):
+        launch = prog.launch = _launch(prog, buffers, views, compact)
+    if launch is None or not all(buffers[k].is_contiguous() for k, _ in launch.sources):
+        return _slice(spec, prog, buffers), compact(views) if views else ()
+    shard = torch.empty(spec.shard_nbytes, dtype=_UINT8, device=(buffers or views)[0].device)
+    base = shard.data_ptr()
+    sources = [buffers[k].data_ptr() + start for k, start in launch.sources]
+    targets = [base + at for at in launch.targets]
+    out = compact.empties(views, sources, targets)
+    launch.copies(sources, targets)
+    return shard, out
 
 
 def _slice(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's bytes of the buckets, a fresh allocation, so the full buffers are freed once the forward
-    drops them; one copy kernel when the pieces tile the shard."""
+    """This rank's bytes of the buckets with torch (the CPU): one copy kernel when the pieces tile the shard."""
     pieces = []
     for k, start, n, retype, _ in prog.pieces:
         b = buffers[k]
@@ -414,25 +468,62 @@ gather_next = _register("fp8shard_gather_next", _gather_next_meta, _gather_next)
 
 class CompactCopies:
     """One call site's compact copies: each a fresh tensor of the view's own bytes, its dimensions in the
-    view's stride order so readers see the same layout. The orders are kept while the views' strides stay the same."""
+    view's stride order so readers see the same layout. The orders and the views' copy items
+    (:func:`~thunder_fp8shard.runtime.multicopy.strided_item`; None: torch copies it) are kept while the views'
+    strides stay the same."""
 
-    __slots__ = ("strides", "orders")
+    __slots__ = ("strides", "orders", "items", "launch")
 
     def __init__(self):
         self.strides: list | None = None
         self.orders: list | None = None
+        self.items: list | None = None
+        self.launch: multicopy.Copies | None = None  # the views' copies alone (fp8shard_compact)
 
-    def __call__(self, views) -> tuple:
+    def update(self, views) -> None:
+        """Works the orders and items out again where the views' strides changed."""
         strides = [v.stride() for v in views]
         if strides != self.strides:
-            # stable: equal strides keep their order
-            self.orders = [sorted(range(len(st)), key=lambda d, st=st: -st[d]) for st in strides]
-            self.strides = strides
-        return tuple([torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device).copy_(v)
-                      for v, order in zip(views, self.orders)])
+            self.orders = [_stride_order(st) for st in strides]
+            self.items = [multicopy.strided_item(v.shape, st, v.element_size()) for v, st in zip(views, strides)]
+            self.strides, self.launch = strides, _UNSET
+
+    def empties(self, views, sources: list[int], targets: list[int]) -> list[torch.Tensor]:
+        """The views' compact copies, allocated; the items' addresses appended to ``sources`` and ``targets`` for
+        the caller's launch, and the views that are no item copied now."""
+        out = []
+        for v, order, item in zip(views, self.orders, self.items):
+            c = torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device)
+            if item is None:
+                c.copy_(v)
+            else:
+                sources.append(v.data_ptr())
+                targets.append(c.data_ptr())
+            out.append(c)
+        return out
+
+    def __call__(self, views) -> tuple:
+        self.update(views)
+        if self.launch is _UNSET:
+            device = _one_device(views)
+            self.launch = None if device is None else multicopy.Copies.on([i for i in self.items if i is not None],
+                                                                          device)
+        if self.launch is None:
+            return tuple([torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device).copy_(v)
+                          for v, order in zip(views, self.orders)])
+        sources, targets = [], []
+        out = self.empties(views, sources, targets)
+        self.launch(sources, targets)
+        return tuple(out)
 
     def __repr__(self) -> str:  # printed in the trace
         return "CompactCopies()"
+
+
+def _stride_order(stride) -> list[int]:
+    """The dimensions from the largest stride to the smallest (stable: equal strides keep their order), the order
+    of a view's compact copy."""
+    return sorted(range(len(stride)), key=lambda d: -stride[d])
 
 
 def _compact_meta(views, copies=None):
