@@ -320,7 +320,11 @@ bf16_e() { paired final_bf16_l32_n8_e "$DEFAULT_ARMS" 40 --one-model -- $FLAGS -
 USER_ARMS='{"without": null, "null": null, "default": {}}'
 fp8_i() { paired final_fp8_l32_n8_i '{"without": null, "null": null, "old": {"revision": "0b4b687"}, "default": {}}' \
   40 --one-model -- $FLAGS $FP8 --n_layers=32; }
-fp8_j() { paired final_fp8_l32_n8_j "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+fp8_j() {  # and one profiled iteration of each side (profile_summary.py: where the step's time goes)
+  mkdir -p "$R/traces/final_fp8_l32_n8_j"
+  paired final_fp8_l32_n8_j "$USER_ARMS" 40 --one-model --profile --profile-arms without,default \
+    --trace-dir "$R/traces/final_fp8_l32_n8_j" -- $FLAGS $FP8 --n_layers=32
+}
 bf16_f() {
   while ! grep -q "fp8_j rc=" "$R/logs/done" 2>/dev/null || ! grep -q "fp8_i rc=" "$R/logs/done" 2>/dev/null; do
     sleep 5; done
