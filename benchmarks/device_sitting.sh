@@ -322,14 +322,14 @@ fp8_i() { paired final_fp8_l32_n8_i '{"without": null, "null": null, "old": {"re
   40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 fp8_j() {  # and one profiled iteration of each side (profile_summary.py: where the step's time goes)
   if [ -n "${S26_SEQUENTIAL:-}" ]; then  # an 80 GB card: built after fp8_i is timed (46 GB each)
-    while ! grep -q "fp8_i rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+    while ! grep -q "final_fp8_l32_n8_i rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
   fi
   mkdir -p "$R/traces/final_fp8_l32_n8_j"
   paired final_fp8_l32_n8_j "$USER_ARMS" 40 --one-model --profile --profile-arms without,default \
     --trace-dir "$R/traces/final_fp8_l32_n8_j" -- $FLAGS $FP8 --n_layers=32
 }
 bf16_f() {
-  while ! grep -q "fp8_j rc=" "$R/logs/done" 2>/dev/null || ! grep -q "fp8_i rc=" "$R/logs/done" 2>/dev/null; do
+  while ! grep -q "final_fp8_l32_n8_j rc=" "$R/logs/done" 2>/dev/null || ! grep -q "final_fp8_l32_n8_i rc=" "$R/logs/done" 2>/dev/null; do
     sleep 5; done
   paired final_bf16_l32_n8_f "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32
 }

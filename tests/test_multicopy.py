@@ -94,3 +94,48 @@ def test_compact_copies_alone_launch_once_and_equal_torchs():
     assert all(torch.equal(c, v) and c.stride() == torch.empty_permuted(v.shape, ops._stride_order(v.stride()),
                                                                         device=dev).stride()
                for c, v in zip(made, views))
+
+
+class _CopiesOnTheCPU:
+    """Stands for the kernel on the CPU: each item's runs moved with ``memmove`` between the same addresses."""
+
+    def __init__(self, items, device):
+        self.items, self.calls = tuple(items), 0
+
+    def __call__(self, sources, targets):
+        import ctypes
+
+        self.calls += 1
+        for item, src, dst in zip(self.items, sources, targets):
+            for p in range(item.planes):
+                for r in range(item.rows):
+                    at = (p * item.rows + r) * item.n
+                    ctypes.memmove(dst + at, src + p * item.plane_stride + r * item.row_stride, item.n)
+
+
+def test_the_one_launch_path_makes_the_shard_and_copies_torch_makes(single_rank_group, monkeypatch):
+    """The shard op's one-launch path (on a CUDA device) run on the CPU with the kernel replaced by ``memmove``s of
+    the same items: with and without compaction views, over calls that reuse the worked-out launch, the shard's bytes
+    and the compact copies are those of torch's path."""
+    from thunder_fp8shard.planning.layout import bucket_layout
+
+    made = []
+    monkeypatch.setattr(ops, "_one_device", lambda tensors: torch.device("cpu"))
+    monkeypatch.setattr(multicopy.Copies, "on", classmethod(lambda cls, items, device: made.append(
+        _CopiesOnTheCPU(items, device)) or made[-1]))
+    members = [torch.randn(5, 7), torch.arange(11, dtype=torch.int16), torch.randn(3, 3, dtype=torch.float64)]
+    views = (VIEWS["v of qkv, transposed (LitGPT)"], VIEWS["a transposed matrix"],
+             torch.randn(4, 1).expand(4, 6))  # the last is no item: torch copies it
+    for k in (1, 3):
+        size = bucket_layout([m.numel() * m.element_size() for m in members], k).shard_nbytes
+        spec = ops.ShardSpec(single_rank_group, k, (size,), "slice", False, (("a", "b", "c"),))
+        for with_views in (False, True, True):
+            shard, _, *copies = ops._shard((tuple(members),), spec, views if with_views else ())
+            expected = ops._slice(spec, spec.program, members)
+            for *_, n, _, at in spec.program.pieces:  # the alignment gaps between pieces hold no member's bytes
+                assert torch.equal(shard[at : at + n], expected[at : at + n])
+            assert len(copies) == (3 if with_views else 0)
+            for c, v in zip(copies, views):
+                assert torch.equal(c, v) and c.stride() == torch.empty_permuted(
+                    v.shape, ops._stride_order(v.stride())).stride()
+    assert all(c.calls >= 1 for c in made) and len(made) == 4  # a launch for each program and view strides

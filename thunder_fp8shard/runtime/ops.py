@@ -279,7 +279,7 @@ def _launch(prog: _Program, buffers: list[torch.Tensor], views, compact: Compact
     launch.strides = compact.strides
     launch.sources = tuple((k, start) for k, start, *_ in prog.pieces)
     launch.targets = tuple(at for *_, at in prog.pieces)
-    items = [multicopy.Item(n) for _, _, n, _, _ in prog.pieces] + [i for i in compact.items if i is not None]
+    items = [multicopy.Item(n) for _, _, n, _, _ in prog.pieces] + [i for i in compact.items or () if i is not None]
     launch.copies = multicopy.Copies.on(items, device)
     return launch if launch.copies is not None else None
 
@@ -306,7 +306,7 @@ def _slice_and_compact(spec: ShardSpec, prog: _Program, buffers: list[torch.Tens
     base = shard.data_ptr()
     sources = [buffers[k].data_ptr() + start for k, start in launch.sources]
     targets = [base + at for at in launch.targets]
-    out = compact.empties(views, sources, targets)
+    out = compact.empties(views, sources, targets) if views else []
     launch.copies(sources, targets)
     return shard, out
 
