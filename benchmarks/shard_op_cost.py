@@ -8,7 +8,9 @@ carry them, five compaction views shaped like LitGPT's ``v`` (a strided view of 
 synchronized every ten calls outside the timings. The parts: the payloads taken apart and put back, this rank's
 slice copied, the compaction copies, and a bare ``clone`` of the slice's bytes; and the shard op where its return
 frees the copies' buffers, as in a step (elsewhere they stay held between calls).
-Usage: python benchmarks/shard_op_cost.py [--device cuda] [--calls 300] [--out shard_op_cost.json]
+With ``--cold`` each timed call follows unrelated work (:func:`thrash`), so the op's code and data come cold, as in
+a step, where a shard op took 5-6 times its warm cost (s26).
+Usage: python benchmarks/shard_op_cost.py [--device cuda] [--calls 300] [--cold] [--out shard_op_cost.json]
 """
 
 from __future__ import annotations
@@ -21,8 +23,25 @@ import pstats
 import statistics
 import time
 
+COLD = False  # --cold
 SHAPES = [(12288, 4096), (4096, 4096), (11008, 4096), (11008, 4096), (4096, 11008)] * 2  # two blocks' weights
 MEMBERS = 8
+
+
+def thrash(state={}) -> None:  # noqa: B006 (kept between calls)
+    """Work unrelated to the op, as a step does between two shard ops: a walk over many Python objects, a touch of
+    64 MiB, a torch matmul; the op's code and data then come cold from memory."""
+    import random
+
+    import torch
+
+    if not state:
+        state["objs"] = {i: [i, str(i)] for i in range(300_000)}
+        state["bytes"] = bytearray(64 << 20)
+    objs, big = state["objs"], state["bytes"]
+    sum(len(objs[k][1]) for k in random.sample(range(300_000), 20_000))
+    big[::4096] = bytes((b + 1) & 255 for b in big[::4096])
+    torch.randn(256, 256) @ torch.randn(256, 256)
 
 
 def timed(fn, arm, calls: int, sync) -> dict:
@@ -34,6 +53,9 @@ def timed(fn, arm, calls: int, sync) -> dict:
     wall, cpu = [], []
     for i in range(calls):
         arm()
+        if COLD:
+            sync()
+            thrash()
         w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         fn()
         c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
@@ -49,7 +71,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cold", action="store_true", help="unrelated work before each timed call (thrash): the "
+                        "op's code and data cold, as in a step")
     args = parser.parse_args()
+    global COLD
+    COLD = args.cold
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -116,7 +142,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{r['wall_us']:9.2f} us wall {r['cpu_us']:9.2f} us CPU  {name}")
     print(text.getvalue())
-    result = {"kind": "shard_op_cost", "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+    result = {"kind": "shard_op_cost", "cold": args.cold, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
               "payload": type(objs[0]).__name__, "calls": args.calls, "rows": rows, "cprofile": text.getvalue()}
     if args.out:
         with open(args.out, "w") as f:

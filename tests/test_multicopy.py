@@ -139,3 +139,84 @@ def test_the_one_launch_path_makes_the_shard_and_copies_torch_makes(single_rank_
                 assert torch.equal(c, v) and c.stride() == torch.empty_permuted(
                     v.shape, ops._stride_order(v.stride())).stride()
     assert all(c.calls >= 1 for c in made) and len(made) == 4  # a launch for each program and view strides
+
+
+class _Lender:
+    """Stands for a TE quantized tensor: it lends its ``data`` (and ``spare`` where it holds one)."""
+
+    def __init__(self, data, spare=None):
+        self.data, self.spare = data, spare
+
+
+class _LenderPayload:
+    name, lends_attributes, takes = "test_lender", True, 0
+
+    def matches(self, obj):
+        return isinstance(obj, _Lender)
+
+    def attributes(self, obj):
+        return ("data", "spare")
+
+    def take(self, obj):
+        type(self).takes += 1
+        attrs = tuple(a for a in self.attributes(obj) if getattr(obj, a) is not None)
+        buffers = [getattr(obj, a) for a in attrs]
+        for a in attrs:
+            setattr(obj, a, None)
+        return buffers, (obj, attrs)
+
+    def give(self, state, buffers):
+        obj, attrs = state
+        for a, t in zip(attrs, buffers):
+            setattr(obj, a, t)
+        return obj
+
+
+def test_a_call_made_again_takes_what_the_first_took_without_the_kinds_and_falls_back_where_anything_differs(
+        single_rank_group, monkeypatch):
+    """After its first call a shard op on a CUDA device makes its calls again with few native calls (``_again``): the
+    lenders' attributes taken as the kind took them, every member restored with its bytes; a lender holding one more
+    buffer, a buffer of another shape, or views of other strides send the call back to the kind, which works the
+    program out anew. (The kernel is stood in for by ``memmove``s, the device by the CPU.)"""
+    from thunder_fp8shard.planning.layout import bucket_layout
+    from thunder_fp8shard.runtime import payload
+
+    monkeypatch.setattr(ops, "_one_device", lambda tensors: torch.device("cpu"))
+    monkeypatch.setattr(multicopy.Copies, "on", classmethod(lambda cls, items, device: _CopiesOnTheCPU(items, device)))
+    payload.register_payload_kind(_LenderPayload())
+    try:
+        def members(spare=None, rows=6):
+            return [_Lender(torch.randint(0, 255, (rows, 8), dtype=torch.uint8), spare), torch.randn(3, 5),
+                    _Lender(torch.randint(0, 255, (4, 4), dtype=torch.uint8))]
+
+        def round_trip(spec, objs, views=()):
+            want = [o.data.clone() if isinstance(o, _Lender) else o.clone() for o in objs]
+            spares = [o.spare.clone() if isinstance(o, _Lender) and o.spare is not None else None for o in objs]
+            shard, restorer, *copies = ops._shard((tuple(objs),), spec, views)
+            assert all(o.data is None and o.spare is None for o in objs if isinstance(o, _Lender))
+            back = ops._gather_wait(ops._gather_start(shard, 0, shard.numel(), 1, single_rank_group), restorer)
+            for b, w, s in zip(back, want, spares):
+                assert torch.equal(b.data if isinstance(b, _Lender) else b, w)
+                assert s is None or torch.equal(b.spare, s)
+            assert all(torch.equal(c, v) for c, v in zip(copies, views))
+
+        nbytes = lambda objs: [t.numel() * t.element_size() for o in objs  # noqa: E731
+                               for t in ((o.data, o.spare) if isinstance(o, _Lender) else (o,)) if t is not None]
+        size = bucket_layout(nbytes(members()), 1).shard_nbytes
+        spec = ops.ShardSpec(single_rank_group, 1, (size,), "slice", False, (("a", "b", "c"),))
+        views = (VIEWS["v of qkv, transposed (LitGPT)"], torch.randn(4, 1).expand(4, 6))
+        for _ in range(3):
+            round_trip(spec, members(), views)
+        assert _LenderPayload.takes == 2 and spec.again is not None  # the first call alone went through the kind
+        round_trip(spec, members(), views[:1] + (torch.randn(6, 4).t(),))  # a view of other strides
+        assert _LenderPayload.takes == 4
+        spare = torch.randint(0, 255, (16,), dtype=torch.uint8)
+        bigger = ops.ShardSpec(single_rank_group, 1, (bucket_layout(nbytes(members(spare)), 1).shard_nbytes,),
+                               "slice", False, (("a", "b", "c"),))
+        bigger.again, bigger.program = spec.again, spec.program
+        round_trip(bigger, members(spare))  # a lender holding one more buffer: the kind lends both
+        assert _LenderPayload.takes == 6
+        round_trip(spec, members(rows=9))  # a buffer of another shape (the same aligned size): worked out anew
+        assert _LenderPayload.takes == 8
+    finally:
+        payload.unregister_payload_kind(_LenderPayload.name)
