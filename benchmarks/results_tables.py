@@ -95,6 +95,8 @@ class Launch:
 
 BROADCAST, CAT = "a broadcast `copy_` (s16)", "one `cat` (since s17)"
 SIDE = "one `cat`, the pass's on a side stream"  # paired.py --comm-stream
+H100 = "one `cat`, on one H100; a shard op one launch (s26)"  # no H200 was lent: the card differs from every launch before
+S26 = "h100_2026-12-05/s26/paired/final"
 S18, S21 = "h200_2026-12-04/s18/paired/final", "h200_2026-12-04/s21/paired/final"
 S23, S24 = "h200_2026-12-04/s23/paired/final", "h200_2026-12-04/s24/paired/final"
 # every launch of each default at 32 layers since the defaults changed (s16), none left out
@@ -108,6 +110,7 @@ LAUNCHES = {
         Launch("s21", "f", CAT, f"{S21}_fp8_l32_n8_f"),
         Launch("s23", "g", CAT, f"{S23}_fp8_l32_n8_g"),
         Launch("s24", "h", CAT, f"{S24}_fp8_l32_n8_h"),
+        Launch("s26", "i", H100, f"{S26}_fp8_l32_n8_i"),
         Launch("s20", "a", SIDE, f"{S20}_fp8_l32_n8_stream"),
         Launch("s21", "b", SIDE, f"{S21}_fp8_l32_n8_stream_b"),
     ),
@@ -129,6 +132,10 @@ S13, S12, S11, S9 = "h200_2026-12-03c/s13", "h200_2026-12-03b/s12", "h200_2026-1
 S7 = "h200_2026-12-02d"
 S4, S56 = "h200_2026-12-02b", "h200_2026-12-02c"  # s3 and s4; s5 and s6
 OLDER = (
+    Sitting("s26", "h100_2026-12-05/NOTES.md", (
+        run(f"{S26}_fp8_l32_n8_i", "old", "FP8, the pass at 0b4b687 (before one launch a shard op), beside launch i, "
+            "one H100"),
+    )),
     Sitting("s24", "h200_2026-12-04/NOTES.md", (
         run(f"{S24}_fp8_l32_n8_h", "nocompact", 'FP8, the default with `compact="off"`, beside launch h'),
         run(f"{S24}_fp8_l32_n8_h", "compact", "FP8, compaction alone, beside launch h"),
