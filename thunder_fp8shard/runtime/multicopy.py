@@ -46,8 +46,7 @@ extern "C" __global__ void __launch_bounds__(%(threads)d) fp8shard_copy(Table t)
     const uint4* s = (const uint4*)(it.src + head);
     uint4* d = (uint4*)(it.dst + head);
     for (unsigned long long i = tid; i < words; i += step) d[i] = s[i];
-    for (unsigned long long i = tid; i < head; i += step)
-      ((unsigned char*)it.dst)[i] = ((const unsigned char*)it.src)[i];
+    for (unsigned long long i = tid; i < head; i += step) ((unsigned char*)it.dst)[i] = ((const unsigned char*)it.src)[i];
     for (unsigned long long i = tail + tid; i < it.n; i += step)
       ((unsigned char*)it.dst)[i] = ((const unsigned char*)it.src)[i];
     return;
@@ -105,7 +104,7 @@ class _Kernel:
             self.blocks = 4 * torch.cuda.get_device_properties(device).multi_processor_count
         lib = ctypes.CDLL("libcuda.so.1")
         self.launch = lib.cuLaunchKernel
-        self.launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, *[ctypes.c_void_p] * 3]
+        self.launch.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.launch.restype = ctypes.c_int
         self.index = device.index if device.index is not None else torch.cuda.current_device()
 

@@ -52,7 +52,7 @@ def _register(name: str, meta, fn, **kwargs):
 class ShardSpec:
     """One shard op's constants, baked into its bound symbol, and the :class:`_Program` it works out."""
 
-    __slots__ = ("group", "k", "bucket_nbytes", "method", "verify", "names", "program", "copies", "again")
+    __slots__ = ("group", "k", "bucket_nbytes", "method", "verify", "names", "program", "copies")
 
     def __init__(self, group, k: int, bucket_nbytes: tuple[int, ...], method: str, verify: bool,
                  names: tuple[tuple[str, ...], ...]):
@@ -60,7 +60,6 @@ class ShardSpec:
         self.method, self.verify, self.names = method, verify, names
         self.program: _Program | None = None
         self.copies = CompactCopies()
-        self.again: _Again | None = None  # the call made again (one launch), once a call worked it out
 
     @property
     def shard_nbytes(self) -> int:
@@ -231,10 +230,6 @@ def _shard_meta(buckets, spec: ShardSpec, views=()):
 
 
 def _shard(buckets, spec: ShardSpec, views=()):
-    if spec.again is not None:
-        made = _again(spec.again, buckets, views)
-        if made is not None:
-            return made
     buffers, kinds, counts, states = [], [], [], []
     for objs in buckets:
         bucket_states = []
@@ -261,99 +256,7 @@ def _shard(buckets, spec: ShardSpec, views=()):
         shard, made = _reduce_scatter(spec, prog, buffers), spec.copies(views) if views else ()
     else:
         shard, made = _slice_and_compact(spec, prog, buffers, views)
-        spec.again = _again_of(spec, prog, buckets, kinds, states, views)
     return (shard, *[Restorer(r, s) for r, s in zip(prog.restores, states)], *made)
-
-
-class _Again:
-    """A shard op's call made again with few calls, as its first call on a CUDA device worked it out: in a step each
-    call runs with its code and data cold, where every distinct native call (a getter, an allocation, the launch) costs
-    tens of microseconds (s26). What must match: the members' ``types``, the ``shapes`` and ``dtypes`` of the buffers
-    their ``attrs`` lend (None: the member is the buffer), the pieces' buffers contiguous, the views' ``strides``.
-    What it does: one allocation for the shard, one a compact copy, one launch (``launch``). ``idle``: a member's
-    attributes that were None and must stay so (else its kind would lend them too)."""
-
-    __slots__ = ("types", "attrs", "idle", "buckets", "shapes", "dtypes", "contiguous", "strides", "dense", "items",
-                 "loose", "sources", "targets", "nbytes", "device", "launch", "restores")
-
-
-def _again_of(spec: ShardSpec, prog: _Program, buckets, kinds: list, states: list, views) -> _Again | None:
-    """The call ``spec``'s op just made as an :class:`_Again` (None: it took no launch, or a member's kind does not
-    lend attributes, or the op verifies)."""
-    launch = prog.launch
-    if spec.verify or launch is None or launch is _UNSET or not all(map(payload.lends_attributes, kinds)):
-        return None
-    again = _Again()
-    objs = [obj for bucket in buckets for obj in bucket]
-    members = [state for bucket in states for state in bucket]
-    again.types = [type(obj) for obj in objs]
-    again.attrs = tuple(None if state is None else tuple(state[1]) for state in members)
-    again.idle = tuple(() if state is None else tuple(a for a in kind.attributes(obj) if a not in state[1])
-                       for obj, kind, state in zip(objs, kinds, members))
-    again.buckets = tuple(len(bucket) for bucket in states)
-    again.shapes, again.dtypes = prog.shapes, prog.dtypes
-    again.contiguous = tuple(sorted({k for k, _ in launch.sources}))
-    compact = spec.copies
-    again.strides = compact.strides if views else None
-    # the compact copies' strides: one allocating call (empty_strided) for them and the shard, whose code is warm after
-    # the first
-    again.dense = tuple(torch.empty_permuted(v.shape, order, device="meta").stride()
-                        for v, order in zip(views, compact.orders or ()))
-    again.items = tuple(i for i, item in enumerate(compact.items or ()) if item is not None)
-    again.loose = tuple(i for i, item in enumerate(compact.items or ()) if item is None)
-    again.sources, again.targets, again.launch = launch.sources, launch.targets, launch.copies
-    again.nbytes, again.device = spec.shard_nbytes, launch.device
-    again.restores = prog.restores
-    return again
-
-
-def _again(again: _Again, buckets, views):
-    """The op's outputs, made as ``again`` says; None, having changed nothing, where its members or views differ."""
-    objs = [obj for bucket in buckets for obj in bucket]
-    if [type(obj) for obj in objs] != again.types:
-        return None
-    buffers = []
-    for obj, attrs, idle in zip(objs, again.attrs, again.idle):
-        if attrs is None:
-            buffers.append(obj)
-            continue
-        for a in attrs:
-            buffers.append(getattr(obj, a, None))
-        for a in idle:
-            if getattr(obj, a, None) is not None:
-                return None
-    try:
-        if [b.shape for b in buffers] != again.shapes or [b.dtype for b in buffers] != again.dtypes:
-            return None
-    except AttributeError:  # an attribute lent before is None now
-        return None
-    for k in again.contiguous:
-        if not buffers[k].is_contiguous():
-            return None
-    if views and [v.stride() for v in views] != again.strides:
-        return None
-    for obj, attrs in zip(objs, again.attrs):
-        if attrs is not None:
-            for a in attrs:
-                setattr(obj, a, None)
-    device = again.device
-    shard = torch.empty_strided((again.nbytes,), (1,), dtype=_UINT8, device=device)
-    base = shard.data_ptr()
-    sources = [buffers[k].data_ptr() + start for k, start in again.sources]
-    targets = [base + at for at in again.targets]
-    copies = [torch.empty_strided(v.shape, dense, dtype=v.dtype, device=device) for v, dense in zip(views, again.dense)]
-    for i in again.items:
-        sources.append(views[i].data_ptr())
-        targets.append(copies[i].data_ptr())
-    for i in again.loose:
-        copies[i].copy_(views[i])
-    again.launch(sources, targets)
-    out, m = [shard], 0
-    for restore, n in zip(again.restores, again.buckets):
-        out.append(Restorer(restore, [None if attrs is None else (obj, attrs)
-                                      for obj, attrs in zip(objs[m : m + n], again.attrs[m : m + n])]))
-        m += n
-    return (*out, *copies)
 
 
 _UNSET = object()  # a program's launch before its first call
@@ -364,7 +267,7 @@ class _Launch:
     (``sources``: buffer and first byte, ``targets``: offset in the shard), then the items of the compaction views
     as their call site's :class:`CompactCopies` saw them (``strides``)."""
 
-    __slots__ = ("copies", "strides", "sources", "targets", "device")
+    __slots__ = ("copies", "strides", "sources", "targets")
 
 
 def _launch(prog: _Program, buffers: list[torch.Tensor], views, compact: CompactCopies) -> _Launch | None:
@@ -373,7 +276,7 @@ def _launch(prog: _Program, buffers: list[torch.Tensor], views, compact: Compact
     if device is None:
         return None
     launch = _Launch()
-    launch.device, launch.strides = device, compact.strides
+    launch.strides = compact.strides
     launch.sources = tuple((k, start) for k, start, *_ in prog.pieces)
     launch.targets = tuple(at for *_, at in prog.pieces)
     items = [multicopy.Item(n) for _, _, n, _, _ in prog.pieces] + [i for i in compact.items or () if i is not None]

@@ -27,13 +27,6 @@ class PayloadKind(Protocol):
         """The object rebuilt from ``state`` and tensors equal to the buffers ``take`` returned."""
 
 
-def lends_attributes(kind: PayloadKind) -> bool:
-    """Whether ``kind`` declares (``lends_attributes = True``) that its ``take`` lends attributes of the object: of
-    those ``kind.attributes(obj)`` names, it sets the ones not None to None, returns their tensors and the state
-    ``(obj, their names)``. A shard op then takes them again itself, without calling the kind."""
-    return kind is PLAIN or getattr(kind, "lends_attributes", False)
-
-
 @dataclass(frozen=True)
 class Member:
     """One saved object of a bucket, taken apart."""

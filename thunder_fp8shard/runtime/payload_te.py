@@ -30,18 +30,13 @@ class _TEQuantizedPayload:
     name: str = ""
     storage_cls: type = object
     large_kwargs: tuple[str, ...] = ()  # of the buffers that are sharded
-    lends_attributes = True  # take's state is (obj, names): payload.lends_attributes
 
     def matches(self, obj: Any) -> bool:
         return isinstance(obj, self.storage_cls)
 
-    def attributes(self, obj: Any) -> tuple[str, ...]:
-        """The attributes ``take`` may lend, present or None (``payload.lends_attributes``)."""
-        return _large_attributes(type(obj), self.large_kwargs)
-
     def take(self, obj: Any) -> tuple[list[torch.Tensor], tuple[Any, tuple[str, ...]]]:
         buffers, attrs = [], []
-        for attr in self.attributes(obj):
+        for attr in _large_attributes(type(obj), self.large_kwargs):
             t = getattr(obj, attr, None)
             if t is not None:
                 buffers.append(t)
