@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.analysis.names import ALL_GATHER, SLICE, WAIT
+from thunder_fp8shard.analysis.saved import body_without_dels
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,6 @@ class Gather:
     def waited_alone(self) -> bool:
         """Whether the handle's only reader is the wait."""
         return self.handle_users == (self.wait,)
-
-
-def body_without_dels(trace: TraceCtx) -> list[BoundSymbol]:
-    return [b for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
 
 
 def readers(body: list[BoundSymbol]) -> dict[str, list[int]]:

@@ -24,7 +24,7 @@ from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.analysis.names import (
     ALL_GATHER, TE_LINEAR_FWD, TE_QUANTIZERS, TE_RECIPE, TE_SCALE_UPDATE, TE_STATE,
 )
-from thunder_fp8shard.analysis.saved import forward_inputs
+from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather, ShardPlan
 from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, Rewritten
@@ -76,7 +76,7 @@ class _Forward:
 
 
 def _forward(fw: TraceCtx) -> _Forward:
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    body = body_without_dels(fw)
     return _Forward(body, {id(b): i for i, b in enumerate(body)}, {o.name: b for b in body for o in _outs(b)},
                     frozenset(p.name for p in forward_inputs(fw)))
 
