@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, WAIT
 from thunder_fp8shard.rewrite import collective_schedule as cs
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 
@@ -24,8 +25,8 @@ def _positions(trace, name):
 def test_the_schedules_move_only_the_order_of_fsdps_collectives(fsdp_traces):
     fw, bw, _ = fsdp_traces
     # Thunder's order: every all-gather before the first compute, every reduce-scatter after the last matmul
-    assert max(_positions(fw, cs.ALL_GATHER)) < _names(fw).index("abs")
-    assert min(_positions(bw, cs.REDUCE_SCATTER)) > max(_positions(bw, "matmul"))
+    assert max(_positions(fw, ALL_GATHER)) < _names(fw).index("abs")
+    assert min(_positions(bw, REDUCE_SCATTER)) > max(_positions(bw, "matmul"))
     new_fw, new_bw = cs.schedule_forward(fw, prefetch=1), cs.schedule_backward(bw)
     assert new_fw is not None and new_bw is not None
     for old, new in ((fw, new_fw), (bw, new_bw)):
@@ -38,12 +39,12 @@ def test_the_schedules_move_only_the_order_of_fsdps_collectives(fsdp_traces):
                 made.update(p.name for p in b.flat_proxy_outs)
     # forward: each wait right before the weight's first use, each all-gather (but the first) one all-gather ahead
     names = _names(new_fw)
-    assert max(_positions(new_fw, cs.ALL_GATHER)) > names.index("abs")
+    assert max(_positions(new_fw, ALL_GATHER)) > names.index("abs")
     # backward: each reduce-scatter and its wait right after the division of a gradient made just before
     names = _names(new_bw)
-    for i in _positions(new_bw, cs.REDUCE_SCATTER):
-        assert names[i - 1] == cs.DIVIDE and names[i + 1] == cs.WAIT
-    assert min(_positions(new_bw, cs.REDUCE_SCATTER)) < max(_positions(new_bw, "matmul"))
+    for i in _positions(new_bw, REDUCE_SCATTER):
+        assert names[i - 1] == DIVIDE and names[i + 1] == WAIT
+    assert min(_positions(new_bw, REDUCE_SCATTER)) < max(_positions(new_bw, "matmul"))
     # a function of the trace alone: every rank, given the same trace, makes the same order
     assert _names(cs.schedule_backward(bw)) == names
 

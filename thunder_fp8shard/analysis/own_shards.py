@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.names import ALL_GATHER, WAIT
+from thunder_fp8shard.analysis.fsdp_gathers import forward_gathers
 from thunder_fp8shard.analysis.saved import tensor_nbytes
 
 
@@ -25,29 +25,22 @@ def group_ranks(group) -> tuple[int, ...] | None:
 
 def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorProxy], *, ranks: tuple[int, ...],
                group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
-    """Each candidate that is ``wait(all_gather(input))`` over ``ranks``, along dim 0, of exactly ``len(ranks)`` times
-    the input's bytes, with an unwritten input: the candidate -> that input (each input serves one candidate)."""
+    """Each candidate that is ``wait(all_gather(input))`` (:func:`~thunder_fp8shard.analysis.fsdp_gathers.forward_gathers`)
+    over ``ranks``, along dim 0, of exactly ``len(ranks)`` times the input's bytes, with an unwritten input: the
+    candidate -> that input (each input serves one candidate)."""
     wanted = set(candidates)
     by_name = {p.name: p for p in inputs}
     k = len(ranks)
     written = _written(fw)
-    gathered: dict[str, TensorProxy] = {}  # the all-gather's future -> the input it gathers
     out: dict[str, TensorProxy] = {}
     taken: set[str] = set()
-    for b in fw.bound_symbols:
-        name = b.sym.name
-        if name == ALL_GATHER:
-            src, group = b.args[0], b.args[1]
-            dim = b.args[3] if len(b.args) > 3 else None
-            if (isinstance(src, TensorProxy) and src.name in by_name and src.name not in written
-                    and dim in (None, 0) and group_ranks(group) == ranks):
-                gathered[b.output.name] = src
-        elif name == WAIT and b.args and getattr(b.args[0], "name", None) in gathered:
-            result, src = b.output, gathered[b.args[0].name]
-            if (isinstance(result, TensorProxy) and result.name in wanted and src.name not in taken
-                    and result.dtype == src.dtype and tensor_nbytes(result) == k * tensor_nbytes(src)):
-                out[result.name] = src
-                taken.add(src.name)
+    for g in sorted(forward_gathers(fw), key=lambda g: g.wait_at):
+        src, result = g.shard, g.gathered
+        if (isinstance(src, TensorProxy) and src.name in by_name and src.name not in written and g.dim in (None, 0)
+                and result.name in wanted and src.name not in taken and result.dtype == src.dtype
+                and tensor_nbytes(result) == k * tensor_nbytes(src) and group_ranks(g.group) == ranks):
+            out[result.name] = src
+            taken.add(src.name)
     return out
 
 

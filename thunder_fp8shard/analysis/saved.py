@@ -31,6 +31,11 @@ def forward_inputs(fw: TraceCtx) -> list[Proxy]:
     return [p for p in flat if isinstance(p, Proxy)]
 
 
+def body_without_dels(trace: TraceCtx) -> list:
+    """The trace's bound symbols but its dels (a rewrite makes them again)."""
+    return [b for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
+
+
 def forward_outputs(fw: TraceCtx) -> list[Proxy]:
     """The proxies of the augmented forward's ``output`` and ``flat_output``, in order."""
     outputs, _ = fw.bound_symbols[-1].args

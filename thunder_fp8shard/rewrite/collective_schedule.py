@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunder.core.prims import PrimIDs
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
-from thunder_fp8shard.analysis.liveness import is_bookkeeping
-from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, SLICE, WAIT
-from thunder_fp8shard.analysis.saved import forward_inputs
+from thunder_fp8shard.analysis.fsdp_gathers import forward_gathers, readers
+from thunder_fp8shard.analysis.names import DIVIDE, REDUCE_SCATTER, WAIT
+from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
 from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.rewrite.shape import Program, Rewrite, applied_elsewhere, unchanged_effect
@@ -34,43 +33,20 @@ class Gathered:
     gather: BoundSymbol
     chain: tuple[BoundSymbol, ...]
     first_use: int
+    at: int  # the all-gather's position
 
 
 def _outs(b: BoundSymbol) -> list[str]:
     return [p.name for p in b.flat_proxy_outs]
 
 
-def _uses(body: list[BoundSymbol]) -> dict[str, list[int]]:
-    uses: dict[str, list[int]] = {}
-    for i, b in enumerate(body):
-        if not is_bookkeeping(b):
-            for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
-                uses.setdefault(name, []).append(i)
-    return uses
-
-
-def gathered(body: list[BoundSymbol], inputs: frozenset[str]) -> list[Gathered]:
-    """The forward's all-gathers of parameter shards whose handle's only use is its wait, in order of first
-    use."""
-    uses = _uses(body)
-    out = []
-    for g in body:
-        if g.sym.name != ALL_GATHER or not g.args or getattr(g.args[0], "name", None) not in inputs:
-            continue
-        handle = _outs(g)
-        users = uses.get(handle[0], []) if len(handle) == 1 else []
-        if len(users) != 1 or body[users[0]].sym.name != WAIT:
-            continue
-        chain = [body[users[0]]]
-        (weight,) = _outs(chain[0])
-        after = uses.get(weight, [])
-        if len(after) == 1 and body[after[0]].sym.name == SLICE:  # the unpad slice moves with the wait
-            chain.append(body[after[0]])
-            (weight,) = _outs(chain[-1])
-            after = uses.get(weight, [])
-        if after:
-            out.append(Gathered(g, tuple(chain), min(after)))
-    return sorted(out, key=lambda x: x.first_use)
+def gathered(fw: TraceCtx, inputs: frozenset[str]) -> list[Gathered]:
+    """The forward's all-gathers of parameter shards whose handle's only use is its wait, with the unpad slice that
+    moves with the wait, in order of first use."""
+    return sorted((Gathered(g.gather, (g.wait,) if g.unpad is None else (g.wait, g.unpad), g.first_use, g.at)
+                   for g in forward_gathers(fw)
+                   if getattr(g.shard, "name", None) in inputs and g.waited_alone and g.first_use is not None),
+                  key=lambda x: (x.first_use, x.at))
 
 
 def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], provenance: str) -> TraceCtx | None:
@@ -97,8 +73,8 @@ def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], 
 def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx | None:
     """``fw`` with each all-gather issued ``prefetch`` all-gathers ahead of its first use and its wait right
     before that use; None where nothing moves."""
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
-    found = gathered(body, frozenset(p.name for p in forward_inputs(fw)))
+    body = body_without_dels(fw)
+    found = gathered(fw, frozenset(p.name for p in forward_inputs(fw)))
     key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}  # (position, rank, tie)
     for x in found:
         for k, b in enumerate(x.chain):
@@ -113,12 +89,12 @@ def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx
 def schedule_backward(bw: TraceCtx) -> TraceCtx | None:
     """``bw`` with each gradient's division, reduce-scatter and wait right after the gradient is made; None
     where nothing moves."""
-    body = [b for b in bw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    body = body_without_dels(bw)
     producer: dict[str, int] = {}
     for i, b in enumerate(body):
         for name in _outs(b):
             producer.setdefault(name, i)
-    uses = _uses(body)
+    uses = readers(body)
     key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}
     moved = 0
     for i, rs in enumerate(body):

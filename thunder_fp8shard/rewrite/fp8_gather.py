@@ -19,11 +19,12 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_fp8shard.analysis.fsdp_gathers import Gather, forward_gathers
 from thunder_fp8shard.analysis.liveness import is_bookkeeping
 from thunder_fp8shard.analysis.names import (
-    ALL_GATHER, SLICE, TE_LINEAR_FWD, TE_QUANTIZERS, TE_RECIPE, TE_SCALE_UPDATE, TE_STATE, WAIT,
+    ALL_GATHER, TE_LINEAR_FWD, TE_QUANTIZERS, TE_RECIPE, TE_SCALE_UPDATE, TE_STATE,
 )
-from thunder_fp8shard.analysis.saved import forward_inputs
+from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather, ShardPlan
 from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, Rewritten
@@ -75,7 +76,7 @@ class _Forward:
 
 
 def _forward(fw: TraceCtx) -> _Forward:
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    body = body_without_dels(fw)
     return _Forward(body, {id(b): i for i, b in enumerate(body)}, {o.name: b for b in body for o in _outs(b)},
                     frozenset(p.name for p in forward_inputs(fw)))
 
@@ -112,31 +113,26 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
             for p in b.flat_proxy_args:
                 first_update.setdefault(p.name, i)
                 last_update[p.name] = i
+    chains: dict[str, tuple[Gather, BoundSymbol | None]] = {}  # weight -> its gather and the slice making it
+    for g in forward_gathers(fw):
+        chains.setdefault(g.gathered.name, (g, None))
+        for sl in g.slices:
+            chains.setdefault(sl.output.name, (g, sl))
     sites = []
     for lin in body:
         if not _name(lin).startswith(TE_LINEAR_FWD):
             continue
         w = lin.args[1]
-        sl = producer.get(w.name)
-        wait = sl
-        why = None
-        if sl is not None and _name(sl) == SLICE:
-            src = sl.args[0]
-            wait = producer.get(src.name) if isinstance(src, TensorProxy) else None
-            if not _is_row_slice(sl, src, w):
-                why = "the weight is a slice of the gathered weight other than dropping its padding rows"
-        else:
-            sl = None
-        if wait is None or _name(wait) != WAIT:
+        if getattr(w, "name", None) not in chains:
             continue  # not a forward-gathered weight: nothing to say
-        fut = wait.args[0]
-        gather = producer.get(getattr(fut, "name", None))
-        if gather is None or _name(gather) != ALL_GATHER:
-            continue
-        shard = gather.args[0]
+        g, sl = chains[w.name]
+        gather, wait, shard = g.gather, g.wait, g.shard
+        gathered = sl.args[0] if sl is not None else w
+        why = None
+        if sl is not None and not _is_row_slice(sl, sl.args[0], w):
+            why = "the weight is a slice of the gathered weight other than dropping its padding rows"
         q_w = lin.args[4] if len(lin.args) > 4 else None
         qb = producer.get(getattr(q_w, "name", None))
-        gathered = sl.args[0] if sl is not None else w
         if why is None:
             state = getattr(qb.args[0], "name", None) if qb is not None and qb.args else None
             at = position[id(lin)]

@@ -25,7 +25,7 @@ from thunder_fp8shard.runtime.audit import SavedStorage
 from thunder_fp8shard.runtime import ops
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.analysis.program import ProgramFacts
-from thunder_fp8shard.analysis.saved import backward_saved
+from thunder_fp8shard.analysis.saved import backward_saved, body_without_dels
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def rewrite_forward(
     restorers and compact copies instead of what they replace. A bucket whose shard is a forward input saves the input
     and its restorer is a backward constant (:class:`~thunder_fp8shard.runtime.ops.SourceRestorer`)."""
     fw = facts.forward
-    body = [b for b in fw.bound_symbols if b.sym.id != PrimIDs.DEL]
+    body = body_without_dels(fw)
     position = {id(b): i for i, b in enumerate(body)}
     new = from_trace(fw)
     inserted_after: dict[int, list[BoundSymbol]] = {}
