@@ -334,6 +334,27 @@ bf16_f() {
   paired final_bf16_l32_n8_f "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32
 }
 
+# s27 (next): first `git revert 1beed4f` (the calls made again, ops._Again) and carry .rev/ with
+# `git archive -o .rev/f9be2c0.tar f9be2c0 thunder_fp8shard` (one launch a shard op, without them). The GPU module on
+# it beside the builds; the FP8 default beside one launch alone; the FP8 default's next launch with a profiled
+# iteration; bf16's; FP8 at seq 8192 (80.6 GB without the pass: an H200 only)
+fp8_k() { paired final_fp8_l32_n8_k '{"without": null, "null": null, "onelaunch": {"revision": "f9be2c0"}, "default": {}}' \
+  40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+fp8_l() {
+  while ! grep -q "final_fp8_l32_n8_k rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+  mkdir -p "$R/traces/final_fp8_l32_n8_l"
+  paired final_fp8_l32_n8_l "$USER_ARMS" 40 --one-model --profile --profile-arms without,default \
+    --trace-dir "$R/traces/final_fp8_l32_n8_l" -- $FLAGS $FP8 --n_layers=32
+}
+bf16_g() {
+  while ! grep -q "final_fp8_l32_n8_l rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+  paired final_bf16_l32_n8_g "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32
+}
+fp8_8192_a() {
+  while ! grep -q "final_bf16_l32_n8_g rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+  paired final_fp8_l32_n8_s8192_a "$USER_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32 --block_size=8192
+}
+
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
   # importing a file while the next call rewrites it fails (sitting s9: an ImportError in one pytest worker)
@@ -397,7 +418,10 @@ case "${1:-}" in
         else
           launch gpu_tests fp8_i fp8_j bf16_f; rm -f "$R/busy/bf16_f"; echo 4 > "$R/logs/expected"
         fi ;;
-      *) echo "usage: $0 start s1|...|s26"; exit 2 ;;
+      # one after another after the first build (each waits for the one before it to finish)
+      s27) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k fp8_l bf16_g fp8_8192_a
+        rm -f "$R/busy/fp8_l" "$R/busy/bf16_g" "$R/busy/fp8_8192_a"; echo 5 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s1|...|s27"; exit 2 ;;
     esac
     echo started ;;
   collect)
