@@ -29,7 +29,7 @@ from thunder_fp8shard.distributed.shard_groups import ShardGroup
 from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.memory.model import gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.plan import Setup, ShardPlan
+from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout
 from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
 from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
@@ -174,11 +174,9 @@ def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardG
     o = options
     common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, bucket_bytes=o.bucket_bytes)
     if setup is None:  # compaction alone: no distributed setup
-        return ShardPlan(Setup(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none",
-                               **common))
-    return ShardPlan(Setup(world_size=setup.world_size, comm=o.comm, integration=setup.name,
-                           shard_group_size=shards.size, shard_ranks=shards.ranks, shard_group_origin=shards.origin,
-                           **common), notes=tuple(setup.notes))
+        return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", **common)
+    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, shard_group_size=shards.size,
+                     shard_ranks=shards.ranks, shard_group_origin=shards.origin, notes=tuple(setup.notes), **common)
 
 
 @dataclass(frozen=True)

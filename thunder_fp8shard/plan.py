@@ -1,12 +1,11 @@
 """The plan: immutable data saying, for every candidate, whether it is sharded, why, and what that is predicted to
-save. :func:`~thunder_fp8shard.pipeline.compile_plan` makes it once; run-time observations go to a separate
-:class:`~thunder_fp8shard.runtime.run_report.RunReport`."""
+save; one flat record. :func:`~thunder_fp8shard.pipeline.compile_plan` makes it;
+run-time observations go to a separate :class:`~thunder_fp8shard.runtime.run_report.RunReport`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import get_type_hints
 
 
 @dataclass(frozen=True)
@@ -176,20 +175,12 @@ class BudgetTraffic:
     lower_bound_bytes: int | None
 
 
-class _Section:
-    """Lists become tuples: nothing can append to a plan."""
-
-    def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, list):
-                object.__setattr__(self, f.name, tuple(value))
-
-
 @dataclass(frozen=True)
-class Setup(_Section):
-    """The setup and the options the plan was made under."""
+class ShardPlan:
+    """What the pass decided for one compiled cache entry (forward + backward trace). Bytes are per rank. Lists given
+    become tuples: nothing can append to a plan."""
 
+    # the setup and the options it was made under
     world_size: int  # under FSDP2 HSDP, of the whole mesh
     method: str
     policy: str
@@ -200,38 +191,16 @@ class Setup(_Section):
     shard_group_size: int = 0  # k; 0: world_size (plans made by hand)
     shard_ranks: tuple[int, ...] = ()  # global ranks in order
     shard_group_origin: str = "own"  # "own", "dedicated" or "partition"
-
-
-@dataclass(frozen=True)
-class Sharding(_Section):
-    """The shard rewrite's section (own shards included: ``Decision.shard_source``, ``Bucket.sources``)."""
-
+    # sharding (own shards included: ``Decision.shard_source``, ``Bucket.sources``)
     decisions: tuple[Decision, ...] = ()
     buckets: tuple[Bucket, ...] = ()
     no_candidates: str = ""  # with no candidate: the saved bytes by dtype and what would make them candidates
-
-
-@dataclass(frozen=True)
-class Compactions(_Section):
     compactions: tuple[Compaction, ...] = ()  # taken or not
-
-
-@dataclass(frozen=True)
-class ForwardGathers(_Section):
-    rows: tuple[ForwardGather, ...] = ()
+    forward_gather: tuple[ForwardGather, ...] = ()
     # Thunder's forward calls for the weights gathered in FP8, and the pass's calls that replace them
-    calls: tuple[int, int] = (0, 0)
-
-
-@dataclass(frozen=True)
-class Reschedule(_Section):
+    forward_gather_calls: tuple[int, int] = (0, 0)
     rescheduled: bool = False  # Thunder FSDP's collectives moved (its "before" stays Thunder's order)
-
-
-@dataclass(frozen=True)
-class Prediction(_Section):
-    """The memory model's verdict, before and after the pass."""
-
+    # the memory model's verdict, before and after the pass
     saved_bytes_before: int = 0  # each storage once, as saved_tensors_hooks sees them
     saved_bytes_after: int = 0
     peak_bytes_before: int | None = None  # predicted device peak: the joint program plus ``terms``
@@ -241,55 +210,31 @@ class Prediction(_Section):
     terms: tuple[MemoryTerm, ...] = ()
     timeline_before: Timeline | None = None
     timeline_after: Timeline | None = None
-
-
-@dataclass(frozen=True)
-class Budget(_Section):
-    bytes: int | None = None  # the smallest over the ranks
-    target_bytes: int | None = None  # the budget less its margin
-    traffic: BudgetTraffic | None = None
-
-
-@dataclass(frozen=True)
-class Calls(_Section):
-    """The run-time operator calls a steady-state step makes, and those of the first-call checks."""
-
+    budget_bytes: int | None = None  # the smallest over the ranks
+    budget_target_bytes: int | None = None  # the budget less its margin
+    budget_traffic: BudgetTraffic | None = None
+    # the run-time operator calls a steady-state step makes, and those of the first-call checks
     operator_calls: Mapping[str, int] = field(default_factory=dict)
     check_calls: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ShardPlan(_Section):
-    """What the pass decided for one compiled cache entry (forward + backward trace), one section a rewrite. Bytes
-    are per rank. Each section's fields read as the plan's own too (``plan.buckets``)."""
-
-    setup: Setup
-    sharding: Sharding = Sharding()
-    compaction: Compactions = Compactions()
-    fp8_gather: ForwardGathers = ForwardGathers()
-    reschedule: Reschedule = Reschedule()
-    prediction: Prediction = Prediction()
-    budget: Budget = Budget()
-    calls: Calls = Calls()
     agreed: tuple[AgreedValue, ...] = ()
     notes: tuple[str, ...] = ()
     pass_seconds: float = 0.0
 
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+
     @classmethod
     def of(cls, world_size: int, method: str, policy: str, prefetch: int, decisions=(), saved_bytes_before: int = 0,
            saved_bytes_after: int = 0, **changes) -> ShardPlan:
-        """A plan from flat field names (:data:`FLAT`)."""
-        return cls(Setup(world_size, method, policy, prefetch)).replaced(
-            decisions=decisions, saved_bytes_before=saved_bytes_before, saved_bytes_after=saved_bytes_after, **changes)
+        """A plan from its setup's first four fields, its decisions and saved bytes (plans made by hand)."""
+        return cls(world_size, method, policy, prefetch, decisions=decisions, saved_bytes_before=saved_bytes_before,
+                   saved_bytes_after=saved_bytes_after, **changes)
 
     def replaced(self, **changes) -> ShardPlan:
-        """``dataclasses.replace`` by flat field names (:data:`FLAT`) or the plan's own."""
-        own = {k: v for k, v in changes.items() if k not in FLAT}
-        by_section: dict[str, dict] = {}
-        for k, v in changes.items():
-            if k in FLAT:
-                by_section.setdefault(FLAT[k][0], {})[FLAT[k][1]] = v
-        return replace(self, **own, **{s: replace(getattr(self, s), **v) for s, v in by_section.items()})
+        return replace(self, **changes)
 
     @property
     def forward_gather_bytes(self) -> tuple[int, int]:
@@ -357,16 +302,3 @@ def shard_op_nbytes(buckets) -> dict[int, int]:
     for b in buckets:
         out[b.shard_op] = max(out.get(b.shard_op, 0), b.shard_offset + b.shard_nbytes)
     return out
-
-
-# a section's fields whose flat name is another than their own
-RENAMED = {("fp8_gather", "rows"): "forward_gather", ("fp8_gather", "calls"): "forward_gather_calls",
-           ("budget", "bytes"): "budget_bytes", ("budget", "target_bytes"): "budget_target_bytes",
-           ("budget", "traffic"): "budget_traffic"}
-# flat name -> (section, its field): every section's fields as the plan's own
-SECTIONS = {name: cls for name, cls in get_type_hints(ShardPlan).items() if isinstance(cls, type)
-            and issubclass(cls, _Section)}
-FLAT = {RENAMED.get((s, f.name), f.name): (s, f.name) for s, cls in SECTIONS.items() for f in fields(cls)}
-assert len(FLAT) == sum(len(fields(cls)) for cls in SECTIONS.values())  # no two alike
-for _name, (_section, _field) in FLAT.items():
-    setattr(ShardPlan, _name, property(lambda self, s=_section, f=_field: getattr(getattr(self, s), f)))

@@ -62,7 +62,7 @@ class Rewrite(NamedTuple):
     name: str
     sites: Callable[[Program], Any]  # where it applies, from the facts (and the sites found before it)
     effect: Callable[[Program, Effect], Effect]  # its sites' effect on the memory model
-    decide: Callable[[Program, ShardPlan], tuple[ShardPlan, tuple[str, ...]]]  # its section; warnings to give
+    decide: Callable[[Program, ShardPlan], tuple[ShardPlan, tuple[str, ...]]]  # its fields; warnings to give
     apply: Callable[[Program, ShardPlan, Rewritten], Rewritten]
 
 

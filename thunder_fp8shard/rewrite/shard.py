@@ -1,6 +1,6 @@
 """The shard rewrite: each replicated saved tensor kept as this rank's 1/k shard from its last forward use and
 all-gathered back before its first backward use. Its decision is the planner's, which weighs the compactions with the
-shards (so it fills the compaction section too), and its trace rewrite makes the compact copies in the same pass."""
+shards (so it decides the compactions too), and its trace rewrite makes the compact copies in the same pass."""
 
 from __future__ import annotations
 
