@@ -135,21 +135,31 @@ def test_comments_and_docstrings_are_at_most_a_quarter_of_the_package():
 
 
 def test_every_rewrite_has_the_shape_and_the_plan_is_one_flat_record():
-    """compile_plan runs each phase over pipeline.REWRITES in this order (issue #46); reschedule has the shape too but
-    plans a second program around the loop. The plan is one flat record: no field is a section of others, and every
-    name it answers is a field or a method of its own (nothing generated onto it)."""
+    """compile_plan runs each phase over pipeline.REWRITES in this order (issues #46, #56); a rewrite gives only the
+    functions it has, none a no-op (a function returning one of its arguments unchanged). The plan is one flat record:
+    no field is a section of others, and every name it answers is a field or a method of its own."""
+    import ast
     import dataclasses
     import inspect
+    import textwrap
 
     from thunder_fp8shard import pipeline
     from thunder_fp8shard.plan import ShardPlan
-    from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
     from thunder_fp8shard.rewrite.shape import Rewrite
 
-    assert [r.name for r in pipeline.REWRITES] == ["shard", "own_shards", "compaction", "forward_gather"]
-    for r in (*pipeline.REWRITES, RESCHEDULE):
-        assert isinstance(r, Rewrite) and r._fields == ("name", "sites", "effect", "decide", "apply")
-        assert [len(inspect.signature(f).parameters) for f in r[1:]] == [1, 2, 2, 3], r.name
+    assert [r.name for r in pipeline.REWRITES] == ["shard", "own_shards", "compaction", "forward_gather", "reschedule"]
+    arity = {"sites": 1, "effect": 2, "decide": 2, "apply": 3, "variant": 1, "keep": 4}
+    for r in pipeline.REWRITES:
+        assert isinstance(r, Rewrite) and r._fields == ("name", *arity)
+        for name, f in zip(r._fields[1:], r[1:]):
+            if f is None:
+                continue
+            assert len(inspect.signature(f).parameters) == arity[name], (r.name, name)
+            body = ast.parse(textwrap.dedent(inspect.getsource(f))).body[0].body
+            body = [b for b in body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+            params = set(inspect.signature(f).parameters)
+            assert not (len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Name)
+                        and body[0].value.id in params), f"{r.name}.{name} is a no-op"
     plan = ShardPlan.of(2, "slice", "all", 1, buckets=[], peak_bytes_after=3, forward_gather=[])
     assert not any(dataclasses.is_dataclass(getattr(plan, f.name)) for f in dataclasses.fields(ShardPlan))
     assert plan.peak_bytes_after == 3 and plan.buckets == () and plan.forward_gather == ()

@@ -1,5 +1,5 @@
 """The pass's stages in order, as one function of a compilation's traces (:func:`compile_plan`), each phase run over
-:data:`REWRITES`; ``reschedule`` plans a second program around them (:func:`_rescheduled`). It touches nothing of
+:data:`REWRITES`; a rewrite's variant of the program is planned too and kept where it says (:func:`_variant`). It touches nothing of
 Thunder's; its only effects are the collectives over the shard group. What it reads of the world, and the choices
 tests plant wrong, come in as :class:`Seams`, never as patched module globals.
 """
@@ -31,7 +31,7 @@ from thunder_fp8shard.memory.model import gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout
-from thunder_fp8shard.rewrite import collective_schedule, fp8_gather
+from thunder_fp8shard.rewrite import fp8_gather
 from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
 from thunder_fp8shard.rewrite.compact import COMPACTION
 from thunder_fp8shard.rewrite.fp8_gather import FORWARD_GATHER
@@ -68,8 +68,8 @@ class Compiled:
 
 
 # the rewrites in the order each phase runs them: own shards and compaction find their sites from the shard's
-# candidates, and the FP8 forward gather rewrites the forward the shard rewrite made
-REWRITES: tuple[Rewrite, ...] = (SHARD, OWN_SHARDS, COMPACTION, FORWARD_GATHER)
+# candidates, the FP8 forward gather rewrites the forward the shard rewrite made, reschedule offers a variant
+REWRITES: tuple[Rewrite, ...] = (SHARD, OWN_SHARDS, COMPACTION, FORWARD_GATHER, RESCHEDULE)
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,12 @@ class _Planned:
 def found(program: Program) -> tuple[Program, Effect]:
     """Every rewrite's sites, in order, and their effect on the memory model."""
     for r in REWRITES:
-        program = program.found(r.name, r.sites(program))
+        if r.sites is not None:
+            program = program.found(r.name, r.sites(program))
     effect = Effect()
     for r in REWRITES:
-        effect = r.effect(program, effect)
+        if r.effect is not None:
+            effect = r.effect(program, effect)
     return program, effect
 
 
@@ -117,7 +119,7 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup=None, device=None,
 
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,
              calibration_bytes, name: str, seams: Seams, together, forced: Layout | None = None,
-             rescheduled: bool = False, forward_gather: bool = True) -> _Planned:
+             variant: str = "", forward_gather: bool = True) -> _Planned:
     """Analyzes and plans ``fw`` + ``bw`` with the inputs agreed over ``together``, or realizes the agreed
     layout ``forced`` with no collective (this rank's inputs then decide only the rank-local compactions)."""
     o = options
@@ -127,7 +129,7 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
     program, effect = found(Program(
         facts, o, setup, shard_ranks=tuple(shards.ranks) if shards else (), k=shards.size if shards is not None else 1,
         group=shards.group if shards is not None else None, name=name, forward_gather=forward_gather,
-        rescheduled=rescheduled))
+        variant=variant))
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
     analysis = analysis_of(program, effect, device, extra, seams.replication_analysis)
     keys = tensor_keys(fw, analysis.replication.replicated) if analysis.replication is not None else {}
@@ -142,28 +144,33 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
     program = dataclasses.replace(program, options=dataclasses.replace(o, budget_bytes=budget), analysis=analysis,
                                   agreed=values, chooser=chooser)
     plan, warns = plan_header(o, setup, shards), ()
-    for r in (*REWRITES, RESCHEDULE):
-        plan, more = r.decide(program, plan)
-        warns += more
+    for r in REWRITES:
+        if r.decide is not None:
+            plan, more = r.decide(program, plan)
+            warns += more
     return _Planned(program, plan, warns, keys)
 
 
-def _rescheduled(first: _Planned, planned: Callable[..., _Planned]) -> _Planned | None:
-    """The plan of the program with Thunder FSDP's collectives rescheduled
-    (:mod:`thunder_fp8shard.rewrite.collective_schedule`), if it keeps it; its "before" stays Thunder's order. None:
-    keep Thunder's order. Every rank chooses alike: the choice depends only on the agreed plans."""
-    fw, bw = RESCHEDULE.sites(first.program)
-    if fw is None and bw is None:
-        return None
-    facts = first.program.facts
-    second = planned(fw or facts.forward, bw=bw or facts.backward, rescheduled=True)
-    if not collective_schedule.keeps(first.plan, second.plan):
-        return None
-    return _before_of(second, first.plan, collective_schedule.kept_note((fw, bw), first.plan, second.plan))
+def _variant(first: _Planned, planned: Callable[..., _Planned], forced: Layout | None = None) -> _Planned:
+    """The plan to build: ``first``'s, or a rewrite's variant of its program where the rewrite keeps it (its "before"
+    stays the program's). Only the rewrites that offer one plan a second program. Every rank chooses alike: the choice
+    depends only on the agreed plans; ``forced``: the agreed layout says which."""
+    for r in REWRITES:
+        if r.variant is None or (forced is not None and forced.variant != r.name):
+            continue
+        traces = r.variant(first.program)
+        if traces is None:
+            continue
+        second = planned(traces[0], bw=traces[1], variant=r.name, forced=forced)
+        note = "as the model's agreed layout" if forced is not None else r.keep(first.program, traces, first.plan,
+                                                                                  second.plan)
+        if note is not None:
+            return _before_of(second, first.plan, note if forced is None else f"{r.name}: {note}")
+    return first
 
 
 def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
-    """``planned`` (a rescheduled program) with Thunder's order (``thunders``) as its "before", and ``note``."""
+    """``planned`` (a program's variant) with the program's plan (``thunders``) as its "before", and ``note``."""
     return dataclasses.replace(planned, plan=planned.plan.replaced(
         peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
         program_peak_bytes_before=thunders.program_peak_bytes_before, notes=(*planned.plan.notes, note)))
@@ -198,7 +205,8 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
     plan = plan.replaced(notes=(*plan.notes, *notes))
     rewritten = Rewritten(None, program.facts.backward)
     for r in REWRITES:
-        rewritten = r.apply(program, plan, rewritten)
+        if r.apply is not None:
+            rewritten = r.apply(program, plan, rewritten)
     new_fw, new_bw = rewritten.forward, rewritten.backward
     report = RunReport()  # written only by the run-time checks
     audit = SavedAudit(plan, report, expected_storages(program.analysis.model, plan, new_fw),
@@ -212,7 +220,7 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
     plan = plan.replaced(  # final from here on
         operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
         check_calls={op: calls[op] for op in CHECK_NAMES}, forward_gather_calls=replaced)
-    layout = layout_of(plan, chosen.keys, program.rescheduled, sig)
+    layout = layout_of(plan, chosen.keys, program.variant, sig)
     return _Built(Compiled(plan, report, fw_trace, new_bw, calibration), sig, layout)
 
 
@@ -249,7 +257,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         return build(planned(fw, bw=bw)).compiled
     program = program_key(fw, parameters(fw, setup))
     if layouts.open:
-        built = _together(fw, bw, planned, build, options, together, seams.collectives)
+        built = _together(fw, bw, planned, build, together, seams.collectives)
         layouts.by_program[program] = built.layout
         clock.agree = functools.partial(largest, group=together, comm=seams.collectives)
         return built.compiled
@@ -284,27 +292,16 @@ def parameters(fw: TraceCtx, setup: Integration) -> frozenset[str]:
 
 def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout: Layout) -> _Planned:
     """The program planned to ``layout``, with no collective."""
-    if layout.reschedule:
-        first = planned(fw, bw=bw, forced=layout)
-        sfw, sbw = RESCHEDULE.sites(first.program)
-        return _before_of(planned(sfw or fw, bw=sbw or bw, forced=layout, rescheduled=True), first.plan,
-                          "reschedule: as the model's agreed layout")
-    return planned(fw, bw=bw, forced=layout)
+    first = planned(fw, bw=bw, forced=layout)
+    return _variant(first, planned, forced=layout) if layout.variant else first
 
 
-def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], build: Callable[..., _Built],
-              options: ShardOptions, together, comm: Collectives) -> _Built:
+def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], build: Callable[..., _Built], together,
+              comm: Collectives) -> _Built:
     """The program planned while every rank compiles, and the layout the ranks agree: this rank's where all
     are the same; else rank 0's everywhere, or nothing sharded where rank 0's would raise a rank's peak or cannot be
     realized there; where even that differs, every rank raises the same error."""
-    chosen = planned(fw, bw=bw)
-    scheduled = _rescheduled(chosen, planned)
-    notes: tuple[str, ...] = ()
-    if scheduled is not None and options.reschedule:
-        chosen = scheduled
-    elif scheduled is not None:  # the option is off: only said
-        notes = (collective_schedule.offered_note(chosen.plan, scheduled.plan),)
-    built = build(chosen, notes=notes)
+    built = build(_variant(planned(fw, bw=bw), planned))
     if together is None:
         return built
     layouts = differing(built.layout, together, comm)

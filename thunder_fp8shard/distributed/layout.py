@@ -22,32 +22,32 @@ PASS_COLLECTIVES = ("fp8shard_shard", "fp8shard_gather_start", "fp8shard_gather_
 
 @dataclass(frozen=True)
 class Layout:
-    """What every program of a model runs collectively: sharded tensors by key, buckets, shard ops, and its
-    collectives."""
+    """What every program of a model runs collectively: sharded tensors by key, buckets, shard ops, the rewrite whose
+    variant of the program runs ("": none), and its collectives."""
 
     buckets: tuple[tuple[str, ...], ...] = ()
     shard_ops: tuple[int, ...] = ()
-    reschedule: bool = False
+    variant: str = ""
     signature: tuple[str, ...] = ()
 
     @property
     def digest(self) -> bytes:
-        text = "\n".join([repr(self.buckets), repr(self.shard_ops), repr(self.reschedule), *self.signature])
+        text = "\n".join([repr(self.buckets), repr(self.shard_ops), repr(self.variant), *self.signature])
         return hashlib.sha256(text.encode()).digest()
 
     def fields(self) -> list[tuple[str, str]]:
         """The layout as ``(field, value)`` pairs, for the error naming what differs between ranks."""
-        return [("reschedule", str(self.reschedule)), ("buckets", str(len(self.buckets))),
+        return [("variant", self.variant or "none"), ("buckets", str(len(self.buckets))),
                 *((f"bucket {j}", f"{len(b)} tensor(s) of shard op {op}") for j, (b, op) in
                   enumerate(zip(self.buckets, self.shard_ops))),
                 ("collectives", str(len(self.signature))),
                 *((f"collective {i}", c) for i, c in enumerate(self.signature))]
 
 
-def layout_of(plan: ShardPlan, keys: Mapping[str, str], reschedule: bool, sig: tuple[str, ...]) -> Layout:
+def layout_of(plan: ShardPlan, keys: Mapping[str, str], variant: str, sig: tuple[str, ...]) -> Layout:
     """The layout of ``plan`` (made on a program whose tensors have ``keys``)."""
     return Layout(tuple(tuple(keys[n] for n in b.members) for b in plan.buckets),
-                  tuple(b.shard_op for b in plan.buckets), reschedule, sig)
+                  tuple(b.shard_op for b in plan.buckets), variant, sig)
 
 
 def _arg(x) -> str:

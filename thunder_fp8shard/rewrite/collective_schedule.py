@@ -20,7 +20,7 @@ from thunder_fp8shard.analysis.names import DIVIDE, REDUCE_SCATTER, WAIT
 from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
 from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.rewrite.shape import Program, Rewrite, applied_elsewhere, unchanged_effect
+from thunder_fp8shard.rewrite.shape import Program, Rewrite
 
 FORWARD_PREFETCH = 8  # about one transformer block's weights
 
@@ -120,34 +120,33 @@ def schedule_backward(bw: TraceCtx) -> TraceCtx | None:
 RESCHEDULE_MIN_GAIN = 0.01
 
 
-def sites(program: Program) -> tuple[TraceCtx | None, TraceCtx | None]:
-    """The forward and the backward with Thunder FSDP's collectives moved (None: nothing moves)."""
-    return schedule_forward(program.facts.forward), schedule_backward(program.facts.backward)
+def variant(program: Program) -> tuple[TraceCtx, TraceCtx] | None:
+    """The forward and the backward with Thunder FSDP's collectives moved (None: nothing moves, or the option is off,
+    or this is a variant already)."""
+    if not program.options.reschedule or program.variant:
+        return None
+    fw, bw = schedule_forward(program.facts.forward), schedule_backward(program.facts.backward)
+    if fw is None and bw is None:
+        return None
+    return fw or program.facts.forward, bw or program.facts.backward
 
 
 def decide(program: Program, plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
-    return plan.replaced(rescheduled=program.rescheduled), ()
+    return plan.replaced(rescheduled=program.variant == "reschedule"), ()
 
 
-def keeps(thunders: ShardPlan, rescheduled: ShardPlan) -> bool:
-    """Whether the rescheduled program's predicted peak is lower by at least :data:`RESCHEDULE_MIN_GAIN`."""
-    return not rescheduled.peak_bytes_after > (1 - RESCHEDULE_MIN_GAIN) * thunders.peak_bytes_after
-
-
-def kept_note(sites, thunders: ShardPlan, rescheduled: ShardPlan) -> str:
-    fw, bw = sites
-    moved = " and ".join(w for w, t in (("the forward's all-gathers", fw), ("the gradients' reduce-scatters", bw)) if t)
+def keep(program: Program, traces: tuple[TraceCtx, TraceCtx], thunders: ShardPlan, rescheduled: ShardPlan) -> str | None:
+    """Where the rescheduled program's predicted peak is lower by at least :data:`RESCHEDULE_MIN_GAIN`, the note that
+    says so (None: Thunder's order is kept)."""
+    if rescheduled.peak_bytes_after > (1 - RESCHEDULE_MIN_GAIN) * thunders.peak_bytes_after:
+        return None
+    moved = " and ".join(w for w, t, was in (("the forward's all-gathers", traces[0], program.facts.forward),
+                                             ("the gradients' reduce-scatters", traces[1], program.facts.backward))
+                         if t is not was)
     return (f"reschedule: {moved} moved where they hold less memory (Thunder FSDP's order keeps every gathered "
             f"weight, or every unsharded gradient, alive at once): predicted peak "
             f"{fmt_bytes(thunders.peak_bytes_after)} -> {fmt_bytes(rescheduled.peak_bytes_after)}")
 
 
-def offered_note(thunders: ShardPlan, rescheduled: ShardPlan) -> str:
-    """What ``reschedule=False`` says where the rescheduled program would be kept."""
-    return (f"reschedule=True would lower the predicted peak {fmt_bytes(thunders.peak_bytes_after)} -> "
-            f"{fmt_bytes(rescheduled.peak_bytes_after)} (Thunder FSDP's all-gathers issued ahead of their "
-            "use, each gradient's reduce-scatter right after it: docs/options.md)")
-
-
-# its sites are a second program, planned whole: the pipeline plans both and keeps the lower (``keeps``)
-RESCHEDULE = Rewrite("reschedule", sites, unchanged_effect, decide, applied_elsewhere)
+# a variant of the program, planned whole: the pipeline plans both and keeps the lower (``keep``)
+RESCHEDULE = Rewrite("reschedule", decide=decide, variant=variant, keep=keep)

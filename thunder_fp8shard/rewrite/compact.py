@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from thunder_fp8shard.analysis.compaction import program_compactions
 from thunder_fp8shard.plan import Compaction
-from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, applied_elsewhere, decided_elsewhere
+from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite
 
 
 def sites(program: Program) -> tuple[Compaction, ...]:
@@ -20,4 +20,4 @@ def effect(program: Program, effect: Effect) -> Effect:
     return replace(effect, compactions=program.sites["compaction"])
 
 
-COMPACTION = Rewrite("compaction", sites, effect, decided_elsewhere, applied_elsewhere)
+COMPACTION = Rewrite("compaction", sites, effect)  # decided by the planner with the shards, made by the shard rewrite

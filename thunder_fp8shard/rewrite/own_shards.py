@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from thunder_fp8shard.analysis.candidates import AUTO_INPUT_SHARD_MIN_BYTES, TENSOR
 from thunder_fp8shard.analysis.own_shards import own_shards
-from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite, applied_elsewhere, decided_elsewhere
+from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite
 
 
 def sites(program: Program) -> dict[str, str]:
@@ -33,4 +33,4 @@ def effect(program: Program, effect: Effect) -> Effect:
     return replace(effect, candidates=candidates, sources=sources)
 
 
-OWN_SHARDS = Rewrite("own_shards", sites, effect, decided_elsewhere, applied_elsewhere)
+OWN_SHARDS = Rewrite("own_shards", sites, effect)  # the planner marks them, the shard rewrite gathers them

@@ -1,6 +1,7 @@
-"""Every rewrite in one shape: four pure functions that :func:`~thunder_fp8shard.pipeline.compile_plan` runs over
+"""Every rewrite in one shape: pure functions that :func:`~thunder_fp8shard.pipeline.compile_plan` runs over
 ``pipeline.REWRITES`` in order, one phase at a time (all sites, then the memory model from all effects, then the
-decisions, then the rewrites of the traces)."""
+decisions, then the rewrites of the traces). A rewrite gives only those it has; one that changes the program itself
+gives a ``variant``, which the pipeline plans too and keeps where the rewrite's ``keep`` says."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Program:
     group: Any = None  # the shard group's
     name: str = "ShardIntermediates"
     forward_gather: bool = True  # False: a program the ranks did not compile together
-    rescheduled: bool = False
+    variant: str = ""  # the rewrite whose variant of the program this is ("": the program as Thunder made it)
     sites: Mapping[str, Any] = field(default_factory=dict)  # by rewrite name
     analysis: Analysis | None = None
     agreed: tuple = ()
@@ -60,19 +61,11 @@ class Rewritten:
 
 class Rewrite(NamedTuple):
     name: str
-    sites: Callable[[Program], Any]  # where it applies, from the facts (and the sites found before it)
-    effect: Callable[[Program, Effect], Effect]  # its sites' effect on the memory model
-    decide: Callable[[Program, ShardPlan], tuple[ShardPlan, tuple[str, ...]]]  # its fields; warnings to give
-    apply: Callable[[Program, ShardPlan, Rewritten], Rewritten]
-
-
-def unchanged_effect(program: Program, effect: Effect) -> Effect:
-    return effect
-
-
-def decided_elsewhere(program: Program, plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
-    return plan, ()
-
-
-def applied_elsewhere(program: Program, plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
-    return rewritten
+    sites: Callable[[Program], Any] | None = None  # where it applies, from the facts (and the sites found before it)
+    effect: Callable[[Program, Effect], Effect] | None = None  # its sites' effect on the memory model
+    decide: Callable[[Program, ShardPlan], tuple[ShardPlan, tuple[str, ...]]] | None = None  # fields; warnings
+    apply: Callable[[Program, ShardPlan, Rewritten], Rewritten] | None = None
+    # another program (forward, backward) to plan as well, None where there is none or the option is off
+    variant: Callable[[Program], tuple[TraceCtx, TraceCtx] | None] | None = None
+    # (the program, its variant, their plans): the note with which the variant's plan is kept (None: the program's)
+    keep: Callable[[Program, tuple[TraceCtx, TraceCtx], ShardPlan, ShardPlan], str | None] | None = None
