@@ -148,7 +148,7 @@ def test_every_rewrite_has_the_shape_and_the_plan_is_one_flat_record():
     from thunder_fp8shard.rewrite.shape import Rewrite
 
     assert [r.name for r in pipeline.REWRITES] == ["shard", "own_shards", "compaction", "forward_gather", "reschedule"]
-    arity = {"sites": 1, "effect": 2, "decide": 2, "apply": 3, "variant": 1, "keep": 4}
+    arity = {"sites": 1, "effect": 2, "decide": 1, "apply": 3, "variant": 1, "keep": 4, "count": 2}
     for r in pipeline.REWRITES:
         assert isinstance(r, Rewrite) and r._fields == ("name", *arity)
         for name, f in zip(r._fields[1:], r[1:]):
@@ -166,3 +166,11 @@ def test_every_rewrite_has_the_shape_and_the_plan_is_one_flat_record():
     generated = [n for n, v in vars(ShardPlan).items() if isinstance(v, property) and v.fget.__qualname__.startswith(
         "<lambda>")]
     assert not generated
+
+
+def test_the_plan_is_built_once_and_only_the_run_report_corrects_it():
+    """The rewrites decide the plan's fields; the pipeline assembles the plan once, after the rewrite (issue #56
+    item 3). Only the run report makes a plan from a plan (its correction by what the audit measured)."""
+    patching = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                      if ".replaced(" in p.read_text() and p.name != "plan.py")
+    assert patching == ["runtime/run_report.py"], patching

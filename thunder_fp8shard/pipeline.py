@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from thunder.core.proxies import DistParallelType, TensorProxy
 from thunder.core.trace import TraceCtx
@@ -31,7 +33,6 @@ from thunder_fp8shard.memory.model import gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout
-from thunder_fp8shard.rewrite import fp8_gather
 from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
 from thunder_fp8shard.rewrite.compact import COMPACTION
 from thunder_fp8shard.rewrite.fp8_gather import FORWARD_GATHER
@@ -74,12 +75,26 @@ REWRITES: tuple[Rewrite, ...] = (SHARD, OWN_SHARDS, COMPACTION, FORWARD_GATHER, 
 
 @dataclass(frozen=True)
 class _Planned:
-    """One program's plan and what it was made from, before any collective of the plan."""
+    """One program's decision and what it was made from, before any collective of the plan: the plan's fields as the
+    header and each rewrite decided them (``decided``), from which :func:`_build` assembles the plan once."""
 
     program: Program
-    plan: ShardPlan
+    decided: Mapping[str, Any]
     warnings: tuple[str, ...]
     keys: Mapping[str, str]
+
+    @functools.cached_property
+    def plan(self) -> ShardPlan:
+        """The plan as decided, before the rewrite: what variants are compared on, and the run-time checks read."""
+        return ShardPlan(**self.decided)
+
+
+def _decided(fields: Mapping[str, Any], more: Mapping[str, Any], by: str) -> dict[str, Any]:
+    """``fields`` and a rewrite's ``more``: its notes after those before, every other field set once."""
+    twice = set(more).intersection(fields) - {"notes"}
+    if twice:
+        raise AssertionError(f"rewrite {by!r} decides the plan's {sorted(twice)}, which another decided")
+    return {**fields, **more, "notes": (*fields.get("notes", ()), *more.get("notes", ()))}
 
 
 def found(program: Program) -> tuple[Program, Effect]:
@@ -143,12 +158,12 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
                                     ops=forced.shard_ops)
     program = dataclasses.replace(program, options=dataclasses.replace(o, budget_bytes=budget), analysis=analysis,
                                   agreed=values, chooser=chooser)
-    plan, warns = plan_header(o, setup, shards), ()
+    decided, warns = plan_header(o, setup, shards), ()
     for r in REWRITES:
         if r.decide is not None:
-            plan, more = r.decide(program, plan)
-            warns += more
-    return _Planned(program, plan, warns, keys)
+            fields, more = r.decide(program)
+            decided, warns = _decided(decided, fields, r.name), warns + tuple(more)
+    return _Planned(program, decided, warns, keys)
 
 
 def _variant(first: _Planned, planned: Callable[..., _Planned], forced: Layout | None = None) -> _Planned:
@@ -170,20 +185,22 @@ def _variant(first: _Planned, planned: Callable[..., _Planned], forced: Layout |
 
 
 def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
-    """``planned`` (a program's variant) with the program's plan (``thunders``) as its "before", and ``note``."""
-    return dataclasses.replace(planned, plan=planned.plan.replaced(
-        peak_bytes_before=thunders.peak_bytes_before, timeline_before=thunders.timeline_before,
-        program_peak_bytes_before=thunders.program_peak_bytes_before, notes=(*planned.plan.notes, note)))
+    """``planned`` (a program's variant) decided with the program's plan (``thunders``) as its "before", and
+    ``note``."""
+    return dataclasses.replace(planned, decided={
+        **planned.decided, "peak_bytes_before": thunders.peak_bytes_before, "timeline_before": thunders.timeline_before,
+        "program_peak_bytes_before": thunders.program_peak_bytes_before, "notes": (*planned.decided["notes"], note)})
 
 
-def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> ShardPlan:
-    """The plan's setup facts, nothing decided yet."""
+def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> dict[str, Any]:
+    """The plan's setup facts (its fields), nothing decided yet."""
     o = options
     common = dict(method=o.method, policy=o.policy, prefetch=o.prefetch, bucket_bytes=o.bucket_bytes)
     if setup is None:  # compaction alone: no distributed setup
-        return ShardPlan(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", **common)
-    return ShardPlan(world_size=setup.world_size, comm=o.comm, integration=setup.name, shard_group_size=shards.size,
-                     shard_ranks=shards.ranks, shard_group_origin=shards.origin, notes=tuple(setup.notes), **common)
+        return dict(world_size=1, comm="", integration="", shard_group_size=1, shard_group_origin="none", notes=(),
+                    **common)
+    return dict(world_size=setup.world_size, comm=o.comm, integration=setup.name, shard_group_size=shards.size,
+                shard_ranks=shards.ranks, shard_group_origin=shards.origin, notes=tuple(setup.notes), **common)
 
 
 @dataclass(frozen=True)
@@ -195,14 +212,13 @@ class _Built:
     layout: Layout
 
 
-def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None], seams: Seams,
+def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None], seams: Seams, started: float,
            notes: tuple[str, ...] = ()) -> _Built:
-    """Rewrites ``chosen``'s program as its plan says, every rewrite in order, and arms the run-time checks (no
-    collective)."""
+    """Rewrites ``chosen``'s program as its plan says, every rewrite in order, arms the run-time checks (no
+    collective), and assembles the plan once: the decision, ``notes``, and what the rewritten program calls."""
     program, plan = chosen.program, chosen.plan
     for warning in chosen.warnings:
         warnings.warn(f"{program.name}: {warning}", stacklevel=4)
-    plan = plan.replaced(notes=(*plan.notes, *notes))
     rewritten = Rewritten(None, program.facts.backward)
     for r in REWRITES:
         if r.apply is not None:
@@ -215,11 +231,15 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
                               peak=seams.device_probe.peak_allocated)
     sig = signature(new_fw.trace, new_bw)
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
-    calls = operator_calls(fw_trace, new_bw)
-    gather_calls, replaced = fp8_gather.counted(program.sites["forward_gather"], fw_trace)
-    plan = plan.replaced(  # final from here on
-        operator_calls={**{op: n for op, n in calls.items() if op not in CHECK_NAMES}, **gather_calls},
-        check_calls={op: calls[op] for op in CHECK_NAMES}, forward_gather_calls=replaced)
+    calls, counted = operator_calls(fw_trace, new_bw), {}
+    for r in REWRITES:
+        if r.count is not None:
+            more, fields = r.count(program, fw_trace)
+            calls, counted = {**calls, **more}, _decided(counted, fields, r.name)
+    fields = _decided(chosen.decided, counted, "count")
+    plan = ShardPlan(**{**fields, "notes": (*fields["notes"], *notes), "pass_seconds": time.perf_counter() - started,
+                        "operator_calls": {op: n for op, n in calls.items() if op not in CHECK_NAMES},
+                        "check_calls": {op: calls[op] for op in CHECK_NAMES}})
     layout = layout_of(plan, chosen.keys, program.variant, sig)
     return _Built(Compiled(plan, report, fw_trace, new_bw, calibration), sig, layout)
 
@@ -240,7 +260,8 @@ def agreement_group(setup: Integration | None, shards: ShardGroup | None):
 def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integration | None,
                  shards: ShardGroup | None, device: DeviceMemory | None, te_names: frozenset[str],
                  calibration_bytes: int | None, on_miss: Callable[[int], None], name: str = "ShardIntermediates",
-                 seams: Seams = Seams(), layouts: Layouts | None = None, clock: StepClock | None = None) -> Compiled:
+                 seams: Seams = Seams(), layouts: Layouts | None = None, clock: StepClock | None = None,
+                 started: float | None = None) -> Compiled:
     """Plans the program ``fw`` + ``bw`` and rewrites it (``setup`` None: compaction alone).
 
     While the ranks compile together the program is planned with agreed inputs and the ranks compare their layouts;
@@ -252,7 +273,8 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     planned = functools.partial(_planned, options=options, setup=setup, shards=shards, device=device,
                                 te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams,
                                 together=together)
-    build = functools.partial(_build, seams=seams, clock=clock, on_miss=on_miss)
+    build = functools.partial(_build, seams=seams, clock=clock, on_miss=on_miss,
+                              started=time.perf_counter() if started is None else started)
     if setup is None:  # compaction alone: nothing collective
         return build(planned(fw, bw=bw)).compiled
     program = program_key(fw, parameters(fw, setup))

@@ -125,9 +125,9 @@ class ShardIntermediates(Transform):
         _check_last_post_optimization_transform(self)
         setup, shards = self._setup()
         if not forward_saved(fw)[0]:
-            plan = plan_header(self.options, setup, shards)
+            header = plan_header(self.options, setup, shards)
             note = "forward-only compile (no_grad or no input requires grad): nothing is saved for backward"
-            self._record(dataclasses.replace(plan, notes=(*plan.notes, note)), RunReport())
+            self._record(ShardPlan(**{**header, "notes": (*header["notes"], note)}), RunReport())
             return fw
         stand_in = from_trace(fw)
         stand_in.bound_symbols = list(fw.bound_symbols)
@@ -146,13 +146,12 @@ class ShardIntermediates(Transform):
             return bw
         out = compile_plan(pending.original, bw, self.options, pending.setup, pending.shards, pending.device,
                            pending.te_names, self._calibration_bytes, functools.partial(self._replan, pending.stats),
-                           type(self).__name__, self.seams, self._layouts, self._clock)
+                           type(self).__name__, self.seams, self._layouts, self._clock, start - pending.seconds)
         self._replanned = False
         pending.stand_in.bound_symbols = out.forward.bound_symbols
         pending.stand_in.set_provenance(out.forward.get_provenance())
         out.calibration.on_done = checks_dropper(pending.stats, pending.stand_in, out.backward)
-        self._record(dataclasses.replace(out.plan, pass_seconds=pending.seconds + time.perf_counter() - start),
-                     out.report)
+        self._record(out.plan, out.report)
         return out.backward
 
     def _replan(self, compile_stats, error_bytes: int) -> None:

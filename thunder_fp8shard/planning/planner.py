@@ -80,10 +80,10 @@ def soundness(
     return decisions
 
 
-def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPlan,
-              agreed: Sequence[AgreedValue] = (), chooser=None) -> tuple[ShardPlan, list[str]]:
-    """The plan of one compilation from the agreed analysis, options and setup facts (``header``); ``chooser`` is
-    injectable for tests. Returns the plan and the warnings to give."""
+def make_plan(analysis: Analysis, options: ShardOptions, k: int, agreed: Sequence[AgreedValue] = (),
+              chooser=None) -> tuple[dict, list[str]]:
+    """The plan's fields the planner decides for one compilation, from the agreed analysis and options; ``chooser``
+    is injectable for tests. Returns the fields (``notes`` among them) and the warnings to give."""
     model = analysis.model
     sound = []
     if analysis.replication is not None:
@@ -100,19 +100,19 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, header: ShardPl
     saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
                    + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
     budget = options.budget_bytes if options.policy == "budget" else None
-    plan = header.replaced(
+    fields = dict(
         decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
         saved_bytes_before=saved_before, saved_bytes_after=saved_after,
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
         program_peak_bytes_before=program_before.peak_bytes, program_peak_bytes_after=program_after.peak_bytes,
         terms=tuple(model.terms), timeline_before=before, timeline_after=after, agreed=tuple(agreed),
-        notes=(*header.notes, *choice.notes), budget_bytes=budget,
+        notes=tuple(choice.notes), budget_bytes=budget,
         no_candidates=no_candidates(analysis.saved_by_dtype, options) if analysis.replication is not None
         and not analysis.candidates else "",
         budget_traffic=BudgetTraffic(**choice.traffic) if choice.traffic else None,
         budget_target_bytes=budget_target(budget) if budget is not None else None,
     )
-    return plan, choice.warnings
+    return fields, choice.warnings
 
 
 def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:

@@ -131,8 +131,8 @@ def variant(program: Program) -> tuple[TraceCtx, TraceCtx] | None:
     return fw or program.facts.forward, bw or program.facts.backward
 
 
-def decide(program: Program, plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
-    return plan.replaced(rescheduled=program.variant == "reschedule"), ()
+def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
+    return {"rescheduled": program.variant == "reschedule"}, ()
 
 
 def keep(program: Program, traces: tuple[TraceCtx, TraceCtx], thunders: ShardPlan, rescheduled: ShardPlan) -> str | None:

@@ -448,9 +448,9 @@ def effect(program: Program, effect: Effect) -> Effect:
     return dataclasses.replace(effect, resized=program.sites["forward_gather"].buffer_nbytes())
 
 
-def decide(program: Program, shard_plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
+def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
     gathers = program.sites["forward_gather"]
-    return shard_plan.replaced(forward_gather=tuple(gathers.rows), notes=(*shard_plan.notes, *gathers.notes)), ()
+    return {"forward_gather": tuple(gathers.rows), "notes": tuple(gathers.notes)}, ()
 
 
 def apply(program: Program, shard_plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
@@ -459,12 +459,14 @@ def apply(program: Program, shard_plan: ShardPlan, rewritten: Rewritten) -> Rewr
                      rewritten.backward)
 
 
-def counted(gathers: ForwardGatherPlan, fw: TraceCtx) -> tuple[dict[str, int], tuple[int, int]]:
-    """The rewritten forward's calls of this feature's operators, and (Thunder's calls they replace, theirs)."""
+def count(program: Program, fw: TraceCtx) -> tuple[dict[str, int], dict]:
+    """The rewritten forward's calls of this feature's operators, and the plan's (Thunder's calls they replace,
+    theirs)."""
+    gathers = program.sites["forward_gather"]
     if not gathers.sites:
-        return {}, (0, 0)
+        return {}, {"forward_gather_calls": (0, 0)}
     calls = operator_calls(fw)
-    return calls, (gathers.calls_replaced, sum(calls.values()))
+    return calls, {"forward_gather_calls": (gathers.calls_replaced, sum(calls.values()))}
 
 
-FORWARD_GATHER = Rewrite("forward_gather", sites, effect, decide, apply)
+FORWARD_GATHER = Rewrite("forward_gather", sites, effect, decide, apply, count=count)

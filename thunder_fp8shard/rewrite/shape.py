@@ -63,9 +63,12 @@ class Rewrite(NamedTuple):
     name: str
     sites: Callable[[Program], Any] | None = None  # where it applies, from the facts (and the sites found before it)
     effect: Callable[[Program, Effect], Effect] | None = None  # its sites' effect on the memory model
-    decide: Callable[[Program, ShardPlan], tuple[ShardPlan, tuple[str, ...]]] | None = None  # fields; warnings
+    # the plan's fields it decides (its ``notes`` follow those before it), and the warnings to give
+    decide: Callable[[Program], tuple[Mapping[str, Any], tuple[str, ...]]] | None = None
     apply: Callable[[Program, ShardPlan, Rewritten], Rewritten] | None = None
     # another program (forward, backward) to plan as well, None where there is none or the option is off
     variant: Callable[[Program], tuple[TraceCtx, TraceCtx] | None] | None = None
     # (the program, its variant, their plans): the note with which the variant's plan is kept (None: the program's)
     keep: Callable[[Program, tuple[TraceCtx, TraceCtx], ShardPlan, ShardPlan], str | None] | None = None
+    # the rewritten forward's calls of its operators, and the plan's fields counted from it
+    count: Callable[[Program, TraceCtx], tuple[Mapping[str, int], Mapping[str, Any]]] | None = None

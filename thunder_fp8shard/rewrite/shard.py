@@ -26,10 +26,9 @@ def effect(program: Program, effect: Effect) -> Effect:
     return replace(effect, candidates=program.sites["shard"])
 
 
-def decide(program: Program, plan: ShardPlan) -> tuple[ShardPlan, tuple[str, ...]]:
-    plan, warnings = make_plan(program.analysis, program.options, program.k, plan, program.agreed,
-                               chooser=program.chooser)
-    return plan, tuple(warnings)
+def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
+    fields, warnings = make_plan(program.analysis, program.options, program.k, program.agreed, chooser=program.chooser)
+    return fields, tuple(warnings)
 
 
 def apply(program: Program, plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
