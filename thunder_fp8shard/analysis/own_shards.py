@@ -25,9 +25,10 @@ def group_ranks(group) -> tuple[int, ...] | None:
 
 def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorProxy], *, ranks: tuple[int, ...],
                group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
-    """Each candidate that is ``wait(all_gather(input))`` (:func:`~thunder_fp8shard.analysis.fsdp_gathers.forward_gathers`)
-    over ``ranks``, along dim 0, of exactly ``len(ranks)`` times the input's bytes, with an unwritten input: the
-    candidate -> that input (each input serves one candidate)."""
+    """Each candidate that is ``wait(all_gather(input))`` (a gather chain,
+    :func:`~thunder_fp8shard.analysis.fsdp_gathers.forward_gathers`) over ``ranks``, along dim 0, of exactly
+    ``len(ranks)`` times the input's bytes, with an unwritten input: the candidate -> that input (each input serves one
+    candidate)."""
     wanted = set(candidates)
     by_name = {p.name: p for p in inputs}
     k = len(ranks)

@@ -135,7 +135,8 @@ def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
     return {"rescheduled": program.variant == "reschedule"}, ()
 
 
-def keep(program: Program, traces: tuple[TraceCtx, TraceCtx], thunders: ShardPlan, rescheduled: ShardPlan) -> str | None:
+def keep(program: Program, traces: tuple[TraceCtx, TraceCtx], thunders: ShardPlan,
+         rescheduled: ShardPlan) -> str | None:
     """Where the rescheduled program's predicted peak is lower by at least :data:`RESCHEDULE_MIN_GAIN`, the note that
     says so (None: Thunder's order is kept)."""
     if rescheduled.peak_bytes_after > (1 - RESCHEDULE_MIN_GAIN) * thunders.peak_bytes_after:
