@@ -10,7 +10,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
-from thunder_fp8shard.analysis.liveness import is_bookkeeping
+from thunder_fp8shard.analysis.liveness import readers
 from thunder_fp8shard.analysis.names import ALL_GATHER, SLICE, WAIT
 from thunder_fp8shard.analysis.saved import body_without_dels
 
@@ -57,16 +57,6 @@ class Gather:
     def waited_alone(self) -> bool:
         """Whether the handle's only reader is the wait."""
         return self.handle_users == (self.wait,)
-
-
-def readers(body: list[BoundSymbol]) -> dict[str, list[int]]:
-    """Proxy name -> the positions of the bound symbols of ``body`` reading it (bookkeeping left out), each once."""
-    out: dict[str, list[int]] = {}
-    for i, b in enumerate(body):
-        if not is_bookkeeping(b):
-            for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
-                out.setdefault(name, []).append(i)
-    return out
 
 
 def forward_gathers(fw: TraceCtx) -> tuple[Gather, ...]:

@@ -79,6 +79,16 @@ def is_bookkeeping(bsym: BoundSymbol) -> bool:
     return bsym.sym.id in _BOOKKEEPING or bsym.sym.name == "clear_mutable_collection"
 
 
+def readers(body: list[BoundSymbol]) -> dict[str, list[int]]:
+    """Proxy name -> the positions of the bound symbols of ``body`` reading it (bookkeeping left out), each once."""
+    out: dict[str, list[int]] = {}
+    for i, b in enumerate(body):
+        if not is_bookkeeping(b):
+            for name in dict.fromkeys(p.name for p in b.flat_proxy_args):
+                out.setdefault(name, []).append(i)
+    return out
+
+
 def is_unpack(bsym: BoundSymbol) -> bool:
     """An unpack (or a check) of the trace's inputs: its outputs are inputs, not allocations."""
     return bsym.sym.id in _UNPACKS

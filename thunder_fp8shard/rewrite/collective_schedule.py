@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
-from thunder_fp8shard.analysis.fsdp_gathers import forward_gathers, readers
+from thunder_fp8shard.analysis.fsdp_gathers import forward_gathers
+from thunder_fp8shard.analysis.liveness import readers
 from thunder_fp8shard.analysis.names import DIVIDE, REDUCE_SCATTER, WAIT
 from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
 from thunder_fp8shard.format import fmt_bytes

@@ -20,7 +20,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_fp8shard.analysis.fsdp_gathers import Gather, forward_gathers
-from thunder_fp8shard.analysis.liveness import is_bookkeeping
+from thunder_fp8shard.analysis.liveness import readers
 from thunder_fp8shard.analysis.names import (
     ALL_GATHER, TE_LINEAR_FWD, TE_QUANTIZERS, TE_RECIPE, TE_SCALE_UPDATE, TE_STATE,
 )
@@ -52,16 +52,6 @@ def _name(b: BoundSymbol) -> str:
 
 def _outs(b: BoundSymbol) -> list:
     return [o for o in b.flat_proxy_outs]
-
-
-def _consumers(body: Sequence[BoundSymbol]) -> dict[str, list[BoundSymbol]]:
-    out: dict[str, list[BoundSymbol]] = {}
-    for b in body:
-        if is_bookkeeping(b):
-            continue
-        for p in {p.name: p for p in b.flat_proxy_args}.values():
-            out.setdefault(p.name, []).append(b)
-    return out
 
 
 @dataclass(frozen=True)
@@ -104,7 +94,7 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     cannot be gathered in FP8 (None: it can)."""
     f = _forward(fw)
     body, producer, inputs, position = f.body, f.producer, f.inputs, f.index
-    uses = _consumers(body)
+    uses = {name: [body[i] for i in at] for name, at in readers(body).items()}
     returned = _returned(fw)
     recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
     first_update, last_update = {}, {}  # proxy -> its first and last scale update
