@@ -45,11 +45,18 @@ from thunder_fp8shard.runtime.run_report import RunReport
 from thunder_fp8shard.runtime.steady_state import CHECK_NAMES
 
 
+# the rewrites in the order each phase runs them: own shards and compaction find their sites from the shard's
+# candidates, the FP8 forward gather rewrites the forward the shard rewrite made, reschedule offers a variant
+REWRITES: tuple[Rewrite, ...] = (SHARD, OWN_SHARDS, COMPACTION, FORWARD_GATHER, RESCHEDULE)
+
+
 @dataclass(frozen=True)
 class Seams:
-    """What the pass reads of the world, and the two choices a test plants wrong on purpose
-    (``ShardIntermediates.inject(...)``)."""
+    """What the pass reads of the world, the rewrites it runs, and the two choices a test plants wrong on purpose
+    (``ShardIntermediates.inject(...)``). ``rewrites``: :data:`REWRITES`, or a tuple with one's own in it (a
+    :class:`~thunder_fp8shard.rewrite.shape.Rewrite`: docs/architecture.md, "Adding a rewrite")."""
 
+    rewrites: tuple[Rewrite, ...] = REWRITES
     device_probe: DeviceProbe = field(default_factory=DeviceProbe)
     collectives: Collectives = TORCH_COLLECTIVES
     replication_analysis: Callable = analyze_replication
@@ -66,11 +73,6 @@ class Compiled:
     forward: TraceCtx
     backward: TraceCtx
     calibration: Calibration  # the caller sets its ``on_done``
-
-
-# the rewrites in the order each phase runs them: own shards and compaction find their sites from the shard's
-# candidates, the FP8 forward gather rewrites the forward the shard rewrite made, reschedule offers a variant
-REWRITES: tuple[Rewrite, ...] = (SHARD, OWN_SHARDS, COMPACTION, FORWARD_GATHER, RESCHEDULE)
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,13 @@ def _decided(fields: Mapping[str, Any], more: Mapping[str, Any], by: str) -> dic
     return {**fields, **more, "notes": (*fields.get("notes", ()), *more.get("notes", ()))}
 
 
-def found(program: Program) -> tuple[Program, Effect]:
+def found(program: Program, rewrites: tuple[Rewrite, ...] = REWRITES) -> tuple[Program, Effect]:
     """Every rewrite's sites, in order, and their effect on the memory model."""
-    for r in REWRITES:
+    for r in rewrites:
         if r.sites is not None:
             program = program.found(r.name, r.sites(program))
     effect = Effect()
-    for r in REWRITES:
+    for r in rewrites:
         if r.effect is not None:
             effect = r.effect(program, effect)
     return program, effect
@@ -134,7 +136,7 @@ def analyze(facts: ProgramFacts, options: ShardOptions, setup=None, device=None,
 
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,
              calibration_bytes, name: str, seams: Seams, together, forced: Layout | None = None,
-             variant: str = "", forward_gather: bool = True) -> _Planned:
+             variant: str = "", alone: bool = False) -> _Planned:
     """Analyzes and plans ``fw`` + ``bw`` with the inputs agreed over ``together``, or realizes the agreed
     layout ``forced`` with no collective (this rank's inputs then decide only the rank-local compactions)."""
     o = options
@@ -143,8 +145,8 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
         raise RuntimeError(f"{name}: the backward trace does not match the forward it follows")
     program, effect = found(Program(
         facts, o, setup, shard_ranks=tuple(shards.ranks) if shards else (), k=shards.size if shards is not None else 1,
-        group=shards.group if shards is not None else None, name=name, forward_gather=forward_gather,
-        variant=variant))
+        group=shards.group if shards is not None else None, name=name, together=not alone,
+        variant=variant), seams.rewrites)
     extra = (calibration_term(calibration_bytes, facts.last_step),) if calibration_bytes else ()
     analysis = analysis_of(program, effect, device, extra, seams.replication_analysis)
     keys = tensor_keys(fw, analysis.replication.replicated) if analysis.replication is not None else {}
@@ -159,18 +161,19 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
     program = dataclasses.replace(program, options=dataclasses.replace(o, budget_bytes=budget), analysis=analysis,
                                   agreed=values, chooser=chooser)
     decided, warns = plan_header(o, setup, shards), ()
-    for r in REWRITES:
+    for r in seams.rewrites:
         if r.decide is not None:
             fields, more = r.decide(program)
             decided, warns = _decided(decided, fields, r.name), warns + tuple(more)
     return _Planned(program, decided, warns, keys)
 
 
-def _variant(first: _Planned, planned: Callable[..., _Planned], forced: Layout | None = None) -> _Planned:
+def _variant(first: _Planned, planned: Callable[..., _Planned], rewrites: tuple[Rewrite, ...],
+             forced: Layout | None = None) -> _Planned:
     """The plan to build: ``first``'s, or a rewrite's variant of its program where the rewrite keeps it (its "before"
     stays the program's). Only the rewrites that offer one plan a second program. Every rank chooses alike: the choice
     depends only on the agreed plans; ``forced``: the agreed layout says which."""
-    for r in REWRITES:
+    for r in rewrites:
         if r.variant is None or (forced is not None and forced.variant != r.name):
             continue
         traces = r.variant(first.program)
@@ -220,7 +223,7 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
     for warning in chosen.warnings:
         warnings.warn(f"{program.name}: {warning}", stacklevel=4)
     rewritten = Rewritten(None, program.facts.backward)
-    for r in REWRITES:
+    for r in seams.rewrites:
         if r.apply is not None:
             rewritten = r.apply(program, plan, rewritten)
     new_fw, new_bw = rewritten.forward, rewritten.backward
@@ -232,7 +235,7 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
     sig = signature(new_fw.trace, new_bw)
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls, counted = operator_calls(fw_trace, new_bw), {}
-    for r in REWRITES:
+    for r in seams.rewrites:
         if r.count is not None:
             more, fields = r.count(program, fw_trace)
             calls, counted = {**calls, **more}, _decided(counted, fields, r.name)
@@ -279,18 +282,18 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         return build(planned(fw, bw=bw)).compiled
     program = program_key(fw, parameters(fw, setup))
     if layouts.open:
-        built = _together(fw, bw, planned, build, together, seams.collectives)
+        built = _together(fw, bw, planned, build, together, seams.collectives, seams.rewrites)
         layouts.by_program[program] = built.layout
         clock.agree = functools.partial(largest, group=together, comm=seams.collectives)
         return built.compiled
     agreed = layouts.by_program.get(program)
     if agreed is None:
         # nothing sharded: what any rank compiling it alone does too
-        return build(_forced(fw, bw, functools.partial(planned, forward_gather=False), NOTHING), notes=(
+        return build(_forced(fw, bw, functools.partial(planned, alone=True), NOTHING, seams.rewrites), notes=(
             "a program the ranks did not compile together (none like it at the model's first compilation): left "
             "with Thunder's own collectives (nothing sharded, no forward gather in FP8)",)).compiled
     try:
-        built = build(_forced(fw, bw, planned, agreed), notes=(
+        built = build(_forced(fw, bw, planned, agreed, seams.rewrites), notes=(
             "compiled on this rank alone (its own input shapes): the model's agreed layout, no collective",))
         why = None if built.signature == agreed.signature else first_difference(built.signature, agreed.signature)
     except LayoutError as e:
@@ -312,18 +315,19 @@ def parameters(fw: TraceCtx, setup: Integration) -> frozenset[str]:
     return frozenset(setup.replicated_inputs(fw)) | sharded
 
 
-def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout: Layout) -> _Planned:
+def _forced(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], layout: Layout,
+            rewrites: tuple[Rewrite, ...]) -> _Planned:
     """The program planned to ``layout``, with no collective."""
     first = planned(fw, bw=bw, forced=layout)
-    return _variant(first, planned, forced=layout) if layout.variant else first
+    return _variant(first, planned, rewrites, forced=layout) if layout.variant else first
 
 
 def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], build: Callable[..., _Built], together,
-              comm: Collectives) -> _Built:
+              comm: Collectives, rewrites: tuple[Rewrite, ...]) -> _Built:
     """The program planned while every rank compiles, and the layout the ranks agree: this rank's where all
     are the same; else rank 0's everywhere, or nothing sharded where rank 0's would raise a rank's peak or cannot be
     realized there; where even that differs, every rank raises the same error."""
-    built = build(_variant(planned(fw, bw=bw), planned))
+    built = build(_variant(planned(fw, bw=bw), planned, rewrites))
     if together is None:
         return built
     layouts = differing(built.layout, together, comm)
@@ -331,7 +335,7 @@ def _together(fw: TraceCtx, bw: TraceCtx, planned: Callable[..., _Planned], buil
         return built
     for layout, why in ((layouts[0], "rank 0's layout"), (NOTHING, "nothing sharded")):
         try:
-            again = build(_forced(fw, bw, planned, layout), notes=(
+            again = build(_forced(fw, bw, planned, layout, rewrites), notes=(
                 f"the ranks compiled different programs at the first call (their own input shapes) and planned "
                 f"different layouts: {why} on every rank",))
             plan = again.compiled.plan

@@ -429,7 +429,7 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
 def sites(program: Program) -> ForwardGatherPlan:
     setup = program.setup
     return plan(program.facts.forward, program.facts.backward,
-                enabled=program.options.fp8_forward_gather and program.forward_gather,
+                enabled=program.options.fp8_forward_gather and program.together,
                 setup_name=setup and setup.name, group=setup and setup.group,
                 world_size=setup.world_size if setup else 1)
 

@@ -30,7 +30,7 @@ class Program:
     k: int = 1
     group: Any = None  # the shard group's
     name: str = "ShardIntermediates"
-    forward_gather: bool = True  # False: a program the ranks did not compile together
+    together: bool = True  # False: a program the ranks did not compile together (no rewrite may add a collective)
     variant: str = ""  # the rewrite whose variant of the program this is ("": the program as Thunder made it)
     sites: Mapping[str, Any] = field(default_factory=dict)  # by rewrite name
     analysis: Analysis | None = None
