@@ -1,6 +1,8 @@
 """The planner: decides, for every candidate, whether to shard it, and says why. ``soundness`` decides what may be
 sharded; ``choose`` applies the policy on the memory model (device bytes) and groups the chosen; ``make_plan`` is the
-entry point."""
+entry point. The policies weigh items (:class:`Item`), whatever rewrite offered them (a sound candidate's shard, a
+compaction option): the bytes each moves a step and what it changes at each step of the model, in one evaluator
+(``_raising``, ``_greedy``, ``_never_worse``)."""
 
 from __future__ import annotations
 
@@ -146,10 +148,43 @@ class Choice:
     traffic: dict | None = None
 
 
+@dataclass(frozen=True)
+class Item:
+    """One thing the policies choose among, whichever rewrite offered it: a shard (``key``: its members) or a
+    compaction (its storage), the bytes it moves a step (its run-time cost) and what it changes in the live bytes at
+    each step (the span it frees, the shard or copy it keeps)."""
+
+    kind: str  # "shard" or "compaction"
+    key: tuple[str, ...]
+    moved_bytes: int
+    change: np.ndarray
+
+
+SHARD, COMPACTION = "shard", "compaction"
+
+
+def _items(model: MemoryModel, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> list[Item]:
+    """The items of ``buckets``, then of ``compactions``, in order."""
+    return ([Item(SHARD, b.members, b.nbytes, model.change([b])) for b in buckets]
+            + [Item(COMPACTION, (c.storage,), c.copied_bytes, model.change(compactions=[c])) for c in compactions])
+
+
+def _raising(items: Sequence[Item], base: np.ndarray) -> set[str]:
+    """The names (a shard's members, a compaction's storage) of the items that raise the peak of ``base`` on their
+    own."""
+    return {n for i in items if (base + i.change).max() > base.max() for n in i.key}
+
+
+def _undone(compactions: Sequence[Compaction], why: Mapping[str, str]) -> list[Compaction]:
+    """``compactions``, those taken whose storage ``why`` names left out with its reason."""
+    return [replace(c, compacted=False, reason=why[c.storage]) if c.compacted and c.storage in why else c
+            for c in compactions]
+
+
 def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int) -> Choice:
-    """Applies the policy to the sound decisions and the compaction options. A tensor whose gather would follow its
-    shard at once is refused. ``peak`` and ``budget`` weigh each shard and compaction on its own, by peak lowered per
-    byte moved."""
+    """Applies the policy to the items of the sound decisions and the compaction options. A tensor whose gather would
+    follow its shard at once is refused. ``all`` takes each item not raising the predicted peak on its own; ``peak``
+    and ``budget`` take items by peak lowered per byte moved."""
     candidates = [d for d in sound if d.sharded]
     refused: dict[str, str] = {}
     notes: list[str] = []
@@ -163,17 +198,22 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
     single_of = {b.members[0]: b for b in singles}
     compactions = _compaction_options(model, sound, options)
     eligible = [c for c in compactions if c.compacted]
-    if options.policy == "all":
-        compactions = _not_raising_the_peak(compactions, model)
-        base = model.live_bytes()
-        for d in candidates:  # each on its own: none that raises the predicted peak
-            if (base + model.change([single_of[d.name]])).max() > base.max():
-                refused[d.name] = RAISES
+    items = _items(model, [single_of[d.name] for d in candidates])
+    if options.policy == "all":  # each item on its own: none that raises the predicted peak
+        raising = _raising(items + _items(model, compactions=eligible), model.live_bytes())
+        compactions = _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
+        refused.update((d.name, RAISES) for d in candidates if d.name in raising)
         candidates = [d for d in candidates if d.name not in refused]
-    else:
+    else:  # the item lowering the peak most per byte moved, until it stops falling or meets the budget's target
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
-        taken, lowest, traffic = _greedy(candidates, eligible, model, singles, target, refused)
+        base, items = model.live_bytes(), _items(model, compactions=eligible) + items  # the first of equal gains
+        chosen, live = _greedy(items, base, target)
+        lowest, names = int(live.max()), {n for i in chosen for n in i.key}
+        taken = {i.key[0] for i in chosen if i.kind == COMPACTION}
         met = target is not None and lowest <= target
+        refused.update((d.name, LOWERS_NOTHING if not met else NOT_NEEDED) for d in candidates if d.name not in names)
+        traffic = {"moved_bytes": sum(i.moved_bytes for i in chosen),
+                   "lower_bound_bytes": least_traffic(base, target, items) if target is not None else None}
         if target is not None and not met:  # the best reachable: every sound shard and eligible compaction
             names = {d.name for d in candidates}
             every = [b for b in singles if b.members[0] in names]
@@ -182,11 +222,9 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
                 taken, lowest, met = {c.storage for c in eligible}, best, best <= target
                 for d in candidates:
                     refused.pop(d.name, None)
-                traffic = {**traffic, "moved_bytes": sum(d.nbytes for d in candidates)
-                           + sum(c.copied_bytes for c in eligible)}
-        left_out = "not needed: the budget is met without it" if met else "does not lower the predicted peak"
-        compactions = [c if not c.compacted or c.storage in taken else replace(c, compacted=False, reason=left_out)
-                       for c in compactions]
+                traffic = {**traffic, "moved_bytes": sum(i.moved_bytes for i in items)}
+        compactions = _undone(compactions, {c.storage: NOT_NEEDED if met else LOWERS_NOTHING for c in compactions
+                                            if c.storage not in taken})
         if target is not None:
             notes.append(_budget_note(options.budget_bytes, target, model.evaluate([]).peak_bytes, lowest))
             if not met:
@@ -306,17 +344,14 @@ def _placed_reason(c: Compaction, model: MemoryModel) -> Compaction:
 
 def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> list[Compaction]:
     """Policy "all": every eligible compaction that does not raise the predicted peak on its own."""
-    base = model.live_bytes()
-    out = []
-    for c in compactions:
-        if c.compacted and (base + model.change(compactions=[c])).max() > base.max():
-            c = replace(c, compacted=False, reason="its copy would raise the predicted peak")
-        out.append(c)
-    return out
+    raising = _raising(_items(model, compactions=[c for c in compactions if c.compacted]), model.live_bytes())
+    return _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
 
 
 RAISES = "it would raise the predicted peak"
+COPY_RAISES = "its copy would raise the predicted peak"
 LOWERS_NOTHING = "does not lower the predicted peak"
+NOT_NEEDED = "not needed: the budget is met without it"
 
 
 def _never_worse(decisions: list[Decision], compactions: list[Compaction], buckets: list[Bucket], model: MemoryModel,
@@ -335,23 +370,19 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
         if live.max() > before or (lower and live.max() >= before and (buckets or taken)):
             # the one adding most at the peak goes
             at = int(np.argmax(live))
-            items = [(b.members, model.change([b])[at], dropped) for b in buckets]
-            items += [((c.storage,), model.change(compactions=[c])[at], undone) for c in taken]
-            names, added, target = max(items, key=lambda item: item[1], default=((), 0, dropped))
-            if added > 0:
-                target.update((n, RAISES) for n in names)
+            most = max(_items(model, buckets, taken), key=lambda i: i.change[at], default=None)
+            if most is not None and most.change[at] > 0:
+                (dropped if most.kind == SHARD else undone).update((n, RAISES) for n in most.key)
             else:  # nothing adds at that step: shard and compact nothing
                 why = LOWERS_NOTHING if lower else RAISES
                 dropped.update((n, why) for b in buckets for n in b.members)
                 undone.update((c.storage, why) for c in taken)
             changed = True
         elif lower:  # drop, one at a time, what leaves the peak unchanged
-            items = [(b.members, model.change([b]), dropped) for b in reversed(buckets)]
-            items += [((c.storage,), model.change(compactions=[c]), undone) for c in taken]
-            for names, delta, target in items:
-                if (live - delta).max() <= live.max():
-                    live = live - delta
-                    target.update((n, LOWERS_NOTHING) for n in names)
+            for i in _items(model, buckets[::-1], taken):
+                if (live - i.change).max() <= live.max():
+                    live = live - i.change
+                    (dropped if i.kind == SHARD else undone).update((n, LOWERS_NOTHING) for n in i.key)
                     changed = True
         if not changed:
             break
@@ -362,40 +393,22 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
                                  compactions=taken, **sched)
         if lower and not buckets and not taken:
             break
-    compactions = [c if c.storage not in undone or not c.compacted else
-                   replace(c, compacted=False, reason=undone[c.storage]) for c in compactions]
-    return decisions, compactions, buckets
+    return decisions, _undone(compactions, undone), buckets
 
 
-def _greedy(candidates, compactions: list[Compaction], model: MemoryModel, singles: list[Bucket], target, refused
-            ) -> tuple[set[str], int, dict]:
-    """Adds the shard or compaction lowering the peak most per byte moved until the peak stops falling ("peak") or meets
-    ``target`` ("budget"). Fills ``refused``; returns the compactions taken, the peak reached and the traffic."""
-    base = model.live_bytes()
-    single = {b.members[0]: b for b in singles}
-    # compactions first, then shards in order: the first of equal gains is taken
-    items = [(c.storage, c.copied_bytes, model.change(compactions=[c]), "compaction") for c in compactions]
-    items += [(d.name, d.nbytes, model.change([single[d.name]]), "shard") for d in candidates]
-    current, taken, moved = base, set(), 0
-    remaining = list(items)
+def _greedy(items: Sequence[Item], base: np.ndarray, target: int | None) -> tuple[list[Item], np.ndarray]:
+    """Takes the item lowering the peak most per byte moved (the first of equal gains) until the peak stops falling
+    (``target`` None) or meets ``target``. Returns the items taken and the live bytes they leave."""
+    current, taken, remaining = base, [], list(items)
     while remaining and (target is None or current.max() > target):
         peak = current.max()
-        gains = [(peak - (current + delta).max()) / max(cost, 1) for _, cost, delta, _ in remaining]
+        gains = [(peak - (current + i.change).max()) / max(i.moved_bytes, 1) for i in remaining]
         best = int(np.argmax(gains))
         if gains[best] <= 0:
             break
-        name, cost, delta, kind = remaining.pop(best)
-        current = current + delta
-        moved += cost
-        if kind == "compaction":
-            taken.add(name)
-    met = target is not None and current.max() <= target
-    for name, _, _, kind in remaining:
-        if kind == "shard":
-            refused[name] = "not needed: the budget is met without it" if met else "does not lower the predicted peak"
-    traffic = {"moved_bytes": moved, "lower_bound_bytes": least_traffic(base, target, items) if target is not None
-               else None}
-    return taken, int(current.max()), traffic
+        taken.append(remaining.pop(best))
+        current = current + taken[-1].change
+    return taken, current
 
 
 def least_traffic(base, target: int, items) -> int | None:
@@ -406,7 +419,7 @@ def least_traffic(base, target: int, items) -> int | None:
     need = int(base[at]) - target
     if need <= 0:
         return 0
-    gains = sorted(((cost, -int(delta[at])) for _, cost, delta, _ in items if delta[at] < 0),
+    gains = sorted(((i.moved_bytes, -int(i.change[at])) for i in items if i.change[at] < 0),
                    key=lambda cg: cg[0] / cg[1])
     bound = 0.0
     for cost, gain in gains:
