@@ -150,22 +150,22 @@ class Choice:
 
 @dataclass(frozen=True)
 class Item:
-    """One thing the policies choose among, whichever rewrite offered it: a shard (``key``: its members) or a
-    compaction (its storage), the bytes it moves a step (its run-time cost) and what it changes in the live bytes at
-    each step (the span it frees, the shard or copy it keeps)."""
+    """One thing the policies choose among, whichever rewrite offered it: a shard or an own shard (``key``: its
+    members) or a compaction (its storage), the bytes it moves a step (its run-time cost) and what it changes in the
+    live bytes at each step (the span it frees, the shard or copy it keeps)."""
 
-    kind: str  # "shard" or "compaction"
+    kind: str  # SHARD, OWN_SHARD (its shard is a forward input: nothing kept) or COMPACTION
     key: tuple[str, ...]
     moved_bytes: int
     change: np.ndarray
 
 
-SHARD, COMPACTION = "shard", "compaction"
+SHARD, OWN_SHARD, COMPACTION = "shard", "own shard", "compaction"
 
 
 def _items(model: MemoryModel, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> list[Item]:
     """The items of ``buckets``, then of ``compactions``, in order."""
-    return ([Item(SHARD, b.members, b.nbytes, model.change([b])) for b in buckets]
+    return ([Item(OWN_SHARD if b.sources else SHARD, b.members, b.nbytes, model.change([b])) for b in buckets]
             + [Item(COMPACTION, (c.storage,), c.copied_bytes, model.change(compactions=[c])) for c in compactions])
 
 
@@ -372,7 +372,7 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
             at = int(np.argmax(live))
             most = max(_items(model, buckets, taken), key=lambda i: i.change[at], default=None)
             if most is not None and most.change[at] > 0:
-                (dropped if most.kind == SHARD else undone).update((n, RAISES) for n in most.key)
+                (undone if most.kind == COMPACTION else dropped).update((n, RAISES) for n in most.key)
             else:  # nothing adds at that step: shard and compact nothing
                 why = LOWERS_NOTHING if lower else RAISES
                 dropped.update((n, why) for b in buckets for n in b.members)
@@ -382,7 +382,7 @@ def _never_worse(decisions: list[Decision], compactions: list[Compaction], bucke
             for i in _items(model, buckets[::-1], taken):
                 if (live - i.change).max() <= live.max():
                     live = live - i.change
-                    (dropped if i.kind == SHARD else undone).update((n, LOWERS_NOTHING) for n in i.key)
+                    (undone if i.kind == COMPACTION else dropped).update((n, LOWERS_NOTHING) for n in i.key)
                     changed = True
         if not changed:
             break
