@@ -83,12 +83,9 @@ class ShardOptions:
                 )
         if self.shard_group_size is not None:
             _shard_group_size(self.shard_group_size)
-        if not isinstance(self.reschedule, bool):
-            raise TypeError(f"ShardIntermediates: reschedule must be a bool, got {self.reschedule!r}")
-        if not isinstance(self.fp8_forward_gather, bool):
-            raise TypeError(f"ShardIntermediates: fp8_forward_gather must be a bool, got {self.fp8_forward_gather!r}")
-        if not isinstance(self.verify, bool):
-            raise TypeError(f"ShardIntermediates: verify must be a bool, got {self.verify!r}")
+        for name in ("reschedule", "fp8_forward_gather", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ShardIntermediates: {name} must be a bool, got {getattr(self, name)!r}")
         if self.policy == "budget":
             if self.budget_bytes is None:
                 raise ValueError("ShardIntermediates: policy='budget' needs budget_bytes (per-rank peak in bytes)")

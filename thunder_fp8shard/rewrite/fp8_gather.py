@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from thunder.core import dtypes
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
@@ -46,14 +47,6 @@ class Site:
     why: str | None
 
 
-def _name(b: BoundSymbol) -> str:
-    return b.sym.name
-
-
-def _outs(b: BoundSymbol) -> list:
-    return [o for o in b.flat_proxy_outs]
-
-
 @dataclass(frozen=True)
 class _Forward:
     """A forward trace read once: its bound symbols without dels, their positions, each proxy's producer,
@@ -67,7 +60,7 @@ class _Forward:
 
 def _forward(fw: TraceCtx) -> _Forward:
     body = body_without_dels(fw)
-    return _Forward(body, {id(b): i for i, b in enumerate(body)}, {o.name: b for b in body for o in _outs(b)},
+    return _Forward(body, {id(b): i for i, b in enumerate(body)}, {o.name: b for b in body for o in b.flat_proxy_outs},
                     frozenset(p.name for p in forward_inputs(fw)))
 
 
@@ -96,10 +89,10 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     body, producer, inputs, position = f.body, f.producer, f.inputs, f.index
     uses = {name: [body[i] for i in at] for name, at in readers(body).items()}
     returned = _returned(fw)
-    recomputed = bw is not None and any(_name(b).startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
+    recomputed = bw is not None and any(b.sym.name.startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
     first_update, last_update = {}, {}  # proxy -> its first and last scale update
     for i, b in enumerate(body):
-        if _name(b).startswith(TE_SCALE_UPDATE):
+        if b.sym.name.startswith(TE_SCALE_UPDATE):
             for p in b.flat_proxy_args:
                 first_update.setdefault(p.name, i)
                 last_update[p.name] = i
@@ -110,7 +103,7 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
             chains.setdefault(sl.output.name, (g, sl))
     sites = []
     for lin in body:
-        if not _name(lin).startswith(TE_LINEAR_FWD):
+        if not lin.sym.name.startswith(TE_LINEAR_FWD):
             continue
         w = lin.args[1]
         if getattr(w, "name", None) not in chains:
@@ -166,17 +159,17 @@ def _first_problem(*, gather, shard, wait, slice_, linear, gathered, weight, qua
     if slice_ is not None:
         others += [b for b in uses.get(weight.name, []) if b is not linear]
     if others:
-        return f"the gathered weight has another use ({_name(others[0])}): a tied or non-TE consumer"
+        return f"the gathered weight has another use ({others[0].sym.name}): a tied or non-TE consumer"
     if sum(1 for a in linear.args[:4] if getattr(a, "name", None) == weight.name) != 1:
         return "the weight is also another argument of the linear"
-    if quantizers is None or not _name(quantizers).startswith(TE_QUANTIZERS):
+    if quantizers is None or not quantizers.sym.name.startswith(TE_QUANTIZERS):
         return "the weight quantizer is not a get_te_fp8_quantizers output"
-    outs = _outs(quantizers)
+    outs = list(quantizers.flat_proxy_outs)
     if len(outs) != 2 or outs[1].name != q_w.name:
         return "the weight quantizer is not output 1 of its forward state's two quantizers"
     state = quantizers.args[0]
     sb = producer.get(getattr(state, "name", None))
-    if sb is None or not _name(sb).startswith(TE_STATE) or tuple(sb.args[1:3]) != ("forward", 2):
+    if sb is None or not sb.sym.name.startswith(TE_STATE) or tuple(sb.args[1:3]) != ("forward", 2):
         return "the weight quantizer does not come from a forward TE state"
     if updated_before:
         return ("a te_fp8_amax_and_scale_update of the linear's state precedes it in the forward: casting the weight "
@@ -222,11 +215,6 @@ def _valid_rows(out: int, rows: int, rank: int) -> int:
     return max(0, min(rows, out - rank * rows))
 
 
-def _calls_replaced(site: Site) -> int:
-    """Thunder's run-time calls the rewrite removes for one eligible weight."""
-    return 3 + (site.slice is not None)
-
-
 HOISTABLE = (TE_RECIPE, TE_STATE, TE_QUANTIZERS)  # TE's getters: no tensor input, order-independent
 
 
@@ -239,7 +227,7 @@ def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> 
         if id(b) in seen:
             continue
         seen.add(id(b))
-        if not _name(b).startswith(HOISTABLE):
+        if not b.sym.name.startswith(HOISTABLE):
             return None
         out.append(b)
         for p in b.flat_proxy_args:
@@ -269,7 +257,7 @@ def batches(fw: TraceCtx, sites: Sequence[Site], forward: _Forward | None = None
             alone.append(s)
             continue
         i = index[id(s.gather)]
-        if last is not None and all(_name(b) in passable or b.sym.id in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.COMMENT)
+        if last is not None and all(b.sym.name in passable or b.sym.id in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.COMMENT)
                                     for b in body[last + 1:i]):
             runs[-1].append(s)
         else:
@@ -314,13 +302,14 @@ def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank
                 shard, w = s.shard, s.weight
                 rows, out = int(shard.shape[0]), int(w.shape[0])
                 specs.append(gops.WeightGatherSpec(group, world_size, rank, rows, _valid_rows(out, rows, rank), out,
-                                                   int(w.shape[1]), _torch_dtype(w.dtype), shard.name,
+                                                   int(w.shape[1]), dtypes.to_torch_dtype(w.dtype), shard.name,
                                                    _implementation(s.linear)))
             batch = gops.GatherBatch(specs)
             scope: list[BoundSymbol] = []
             new.push_scope(scope)
-            handles = gops.weight_gather_starts(tuple(s.shard for s in run), tuple(s.linear.args[4] for s in run),
-                                                tuple(_producer_arg0(f.producer, s.quantizers.args[0]) for s in run), batch)
+            handles = gops.weight_gather_starts(
+                tuple(s.shard for s in run), tuple(s.linear.args[4] for s in run),
+                tuple(_producer_arg0(f.producer, s.quantizers.args[0]) for s in run), batch)
             new.pop_scope()
             after.setdefault(at, []).extend([*getters, *scope])
             for s, h, spec in zip(run, handles, specs):
@@ -351,12 +340,6 @@ def _producer_arg0(producer: dict[str, BoundSymbol], state) -> object:
     return producer[state.name].args[0]
 
 
-def _torch_dtype(dtype):
-    from thunder.core import dtypes
-
-    return dtypes.to_torch_dtype(dtype)
-
-
 def operator_calls(fw: TraceCtx) -> dict[str, int]:
     """How many times a forward calls each of this feature's run-time operators."""
     return {sym.name: sum(b.sym is sym for b in fw.bound_symbols) for sym in gops.OPERATORS}
@@ -377,15 +360,15 @@ class ForwardGatherPlan:
 
     sites: tuple[Site, ...]
     rows: tuple[ForwardGather, ...]
-    notes: tuple[str, ...]
     group: object = None
     world_size: int = 1
     rank: int = 0
 
     @property
     def calls_replaced(self) -> int:
-        """Thunder's run-time calls the rewrite removes from a forward."""
-        return sum(_calls_replaced(s) for s in self.sites if s.why is None)
+        """Thunder's run-time calls the rewrite removes from a forward: the all-gather, its wait, the linear and a
+        slice where there is one, for each eligible weight."""
+        return sum(3 + (s.slice is not None) for s in self.sites if s.why is None)
 
     def buffer_nbytes(self) -> dict[str, int]:
         """Bytes each FP8-gathered weight's buffer holds from its all-gather to its linear (gathered uint8 rows
@@ -396,7 +379,7 @@ class ForwardGatherPlan:
             if s.why is None:
                 rows, cols = int(s.shard.shape[0]), int(s.shard.shape[1])
                 nbytes = rows * self.world_size * cols + rows * cols
-                for p in (*_outs(s.gather), *_outs(s.wait)):
+                for p in (*s.gather.flat_proxy_outs, *s.wait.flat_proxy_outs):
                     sizes[p.name] = nbytes
         return sizes
 
@@ -411,9 +394,9 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
     """The forward-gather decisions of one compilation (none where ``enabled`` is False). Arguments left
     None are taken from TE and ``torch.distributed``."""
     if not enabled:
-        return ForwardGatherPlan((), (), ())
+        return ForwardGatherPlan((), ())
     if not (setup_name or "").startswith("Thunder FSDP"):
-        return ForwardGatherPlan((), (), ())  # only Thunder FSDP all-gathers weights in the forward
+        return ForwardGatherPlan((), ())  # only Thunder FSDP all-gathers weights in the forward
     if default_world_size is None or rank is None:
         import torch.distributed as dist
 
@@ -423,7 +406,7 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
     sites = tuple(find_sites(fw, bw, group=group, world_size=world_size, default_world_size=default_world_size,
                              recipe_problem=gops.exact_recipe(recipe)))
     rows = tuple(decisions(sites, world_size))
-    return ForwardGatherPlan(sites, rows, (), group, world_size, rank)
+    return ForwardGatherPlan(sites, rows, group, world_size, rank)
 
 
 def sites(program: Program) -> ForwardGatherPlan:
@@ -440,7 +423,7 @@ def effect(program: Program, effect: Effect) -> Effect:
 
 def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
     gathers = program.sites["forward_gather"]
-    return {"forward_gather": tuple(gathers.rows), "notes": tuple(gathers.notes)}, ()
+    return {"forward_gather": tuple(gathers.rows)}, ()
 
 
 def apply(program: Program, shard_plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
