@@ -3,7 +3,7 @@
 # `benchmarks/device_sitting.sh collect` (a tarball into $OUT). The sittings before it, with the job lists they ran:
 # the NOTES.md of their results' folders, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (a sitting with a "revision" arm: carry .rev/):
-#   benchmarks/device_sitting.sh start s27  # launches the sitting's jobs (returns at once)
+#   benchmarks/device_sitting.sh start s29  # launches the sitting's jobs (returns at once)
 #   benchmarks/device_sitting.sh collect    # waits up to $WAIT seconds for them, then tars what exists into $OUT
 # The jobs of a sitting compile side by side but time alone: every paired run removes its file under $R/busy when
 # its arms are built, waits until that folder is empty (nothing else compiling or running) and takes $R/gpu.lock
@@ -34,25 +34,12 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s27 (next): first `git revert 1beed4f` (the calls made again, ops._Again) and carry .rev/ with
-# `git archive -o .rev/f9be2c0.tar f9be2c0 thunder_fp8shard` (one launch a shard op, without them). The GPU module on
-# it beside the builds; the FP8 default beside one launch alone; the FP8 default's next launch with a profiled
-# iteration; bf16's; FP8 at seq 8192 (80.6 GB without the pass: an H200 only)
-fp8_k() { paired final_fp8_l32_n8_k '{"without": null, "null": null, "onelaunch": {"revision": "f9be2c0"}, "default": {}}' \
-  40 --one-model -- $FLAGS $FP8 --n_layers=32; }
-fp8_l() {
-  while ! grep -q "final_fp8_l32_n8_k rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
-  mkdir -p "$R/traces/final_fp8_l32_n8_l"
-  paired final_fp8_l32_n8_l "$USER_ARMS" 40 --one-model --profile --profile-arms without,default \
-    --trace-dir "$R/traces/final_fp8_l32_n8_l" -- $FLAGS $FP8 --n_layers=32
-}
+# s29 (next): the GPU module on the final code of issue #56 beside the FP8 default's next launch (the package as it
+# is: one launch a shard op, the calls made again still reverted), then bf16's
+fp8_j() { paired final_fp8_l32_n8_j "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 bf16_g() {
-  while ! grep -q "final_fp8_l32_n8_l rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+  while ! grep -q "final_fp8_l32_n8_j rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
   paired final_bf16_l32_n8_g "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32
-}
-fp8_8192_a() {
-  while ! grep -q "final_bf16_l32_n8_g rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
-  paired final_fp8_l32_n8_s8192_a "$USER_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32 --block_size=8192
 }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
@@ -73,9 +60,9 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/logs/device.txt" 2>&1
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
-      s27) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k fp8_l bf16_g fp8_8192_a
-        rm -f "$R/busy/fp8_l" "$R/busy/bf16_g" "$R/busy/fp8_8192_a"; echo 5 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s27"; exit 2 ;;
+      s29) export GPU_TEST_WORKERS=8; launch gpu_tests fp8_j bf16_g
+        rm -f "$R/busy/bf16_g"; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s29"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -87,5 +74,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s27|collect"; exit 2 ;;
+  *) echo "usage: $0 start s29|collect"; exit 2 ;;
 esac
