@@ -379,12 +379,12 @@ def test_one_model_arms_keep_the_cache_their_programs_leave_and_are_remade_after
     assert paired._activate(base, arm) and cache == ["with-v2"] and arm.replans == 1
 
 
-def test_op_call_cost_makes_the_operators_of_this_version_and_times_each():
+def test_call_cost_ops_makes_the_operators_of_this_version_and_times_each():
     """It builds the pass's run-time objects itself, so it breaks when their signatures change (it did once)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "op_call_cost.py"), "--repeat", "20"],
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "call_cost.py"), "ops", "--repeat", "20"],
                          capture_output=True, text=True, check=True, cwd=root)
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(rows) >= {"fp8shard_compact, 1 view", "fp8shard_compact, 4 views", "fp8shard_audit, done",
