@@ -1,17 +1,11 @@
-"""CPU microseconds of single calls: the pass's run-time operators and what they are made of, each timed alone,
-outside a training step. Three subcommands:
+"""CPU microseconds of single calls of the pass's run-time operators and of what they are made of, each timed alone
+outside a training step; torch, TE and the pass are imported by the subcommand that runs. Subcommands:
 
-    python benchmarks/call_cost.py ops [--repeat 20000]
-    python benchmarks/call_cost.py shard [--device cuda] [--calls 300] [--cold] [--out shard_op_cost.json]
-    python benchmarks/call_cost.py te [--repeat 200] [--world-size 8] [--one-kernel] [--out x.json]
-
-- ``ops``: the pass's forward operators on tiny tensors (no device, no collective);
-- ``shard``: one ``fp8shard_shard`` call and its parts, with TE weight copies on CUDA (``--cold``: each call after
-  unrelated work, as in a step);
-- ``te``: the TransformerEngine operations around an FP8 weight and the pass's operators on a bucket of TE weights
-  (needs CUDA and TE).
-
-torch, TE and the pass are imported by the subcommand that runs.
+- ``ops [--repeat 20000]``: the pass's forward operators on tiny tensors (no device, no collective);
+- ``shard [--device cuda] [--calls 300] [--cold] [--out F]``: one ``fp8shard_shard`` call and its parts, with TE
+  weight copies on CUDA (``--cold``: each call after unrelated work, as in a step);
+- ``te [--repeat 200] [--world-size 8] [--one-kernel] [--out F]``: the TE operations around an FP8 weight and the
+  pass's operators on a bucket of TE weights (CUDA and TE).
 """
 
 from __future__ import annotations
@@ -22,11 +16,16 @@ import inspect
 import io
 import json
 import pstats
+import random
 import statistics
 import time
 import timeit
 
 from benchlib.reporting import subcommands
+
+COLD = False  # shard --cold
+SHAPES = [(12288, 4096), (4096, 4096), (11008, 4096), (11008, 4096), (4096, 11008)] * 2  # shard: two blocks' weights
+MEMBERS = 8
 
 
 def fake_rank0(world_size: int):
@@ -51,9 +50,6 @@ def cprofiled(calls: int, top: int, *fns) -> str:
     return text.getvalue()
 
 
-# ---- ops: the pass's forward operators -------------------------------------------------------------------------------
-
-
 def best_us(fn, repeat: int) -> float:
     """The best of 5 runs of ``repeat`` calls, per call."""
     fn()  # first call: works out what later calls keep
@@ -62,7 +58,6 @@ def best_us(fn, repeat: int) -> float:
 
 def ops_cost(args) -> None:
     """CPU cost of one call of the pass's forward run-time operators, in microseconds (no device, no collective).
-
     Times what a step pays in Python for the compaction copies (``fp8shard_compact`` of one and of four saved views,
     the shape of LitGPT's ``v``, shrunk) and, where this version of the pass has them, the two first-call checks once
     they are done (``fp8shard_audit``, ``fp8shard_calibrate``): each through the operator's implementation as the
@@ -114,18 +109,9 @@ def _extra_args(ops) -> tuple:
     return ()
 
 
-# ---- shard: one shard op and its parts -------------------------------------------------------------------------------
-
-COLD = False  # --cold
-SHAPES = [(12288, 4096), (4096, 4096), (11008, 4096), (11008, 4096), (4096, 11008)] * 2  # two blocks' weights
-MEMBERS = 8
-
-
 def thrash(state={}) -> None:  # noqa: B006 (kept between calls)
     """Work unrelated to the op, as a step does between two shard ops: a walk over many Python objects, a touch of
     64 MiB, a torch matmul; the op's code and data then come cold from memory."""
-    import random
-
     import torch
 
     if not state:
@@ -162,7 +148,6 @@ def timed(fn, arm, calls: int, sync) -> dict:
 def shard_cost(args) -> None:
     """CPU cost of one ``fp8shard_shard`` call and of its parts, outside a training step (issue #43: where a shard
     op's 150-220 µs a call in the step go).
-
     Rank 0 of 8 in torch's fake process group; a bucket of eight FP8 weight copies of Llama-2-7b's shapes (TE
     ``Float8Tensor``\\ s on CUDA where TE is installed, else plain ``float8_e4m3fn`` tensors) and, for the shard ops
     that carry them, five compaction views shaped like LitGPT's ``v`` (a strided view of ``qkv``). Each variant is
@@ -257,9 +242,6 @@ def _weights(torch, dev) -> list:
     return [torch.randn(s, device=dev).to(torch.float8_e4m3fn) for s in shapes]
 
 
-# ---- te: the TransformerEngine calls around an FP8 weight ------------------------------------------------------------
-
-
 def issue_us(fn, repeat: int, sync) -> float:
     """The median of 5 runs of ``repeat`` calls, per call (issue time; the device drained before each run)."""
     fn()
@@ -274,13 +256,10 @@ def issue_us(fn, repeat: int, sync) -> float:
 
 
 def te_cost(args) -> None:
-    """CPU microseconds one call of the operations around a TransformerEngine FP8 weight costs on the device.
-
-    What the pass's run-time operators do a step (cast a shard, build a ``Float8Tensor``, make or cut its transpose,
-    shard and gather buckets of them), each timed alone on real tensors of Llama-2-7b's weight shapes (the host's issue
-    time: the calls are asynchronous; the device is synchronized between measurements only); then the device time of
-    the simulated all-gather's two renders, and ``cProfile`` of a shard op and of a gather. Needs CUDA and TE.
-    """
+    """CPU microseconds one call of the operations around a TransformerEngine FP8 weight costs on the device: what the
+    pass's run-time operators do a step (cast a shard, build a ``Float8Tensor``, make or cut its transpose, shard and
+    gather buckets of them), each timed alone on real tensors of Llama-2-7b's weight shapes (the host's issue time: the
+    calls are asynchronous; the device is synchronized between measurements only). Needs CUDA and TE."""
     if args.one_kernel:
         from benchlib import collectives
 
@@ -315,11 +294,10 @@ def te_cost(args) -> None:
         build().update_usage(rowwise_usage=False, columnwise_usage=True)
 
     cols = inp // n
+    cost = functools.partial(issue_us, repeat=args.repeat, sync=sync)
     r = {}
-    r["cast full weight, rowwise + columnwise (TE's own cast in the linear)"] = issue_us(lambda: q(w), args.repeat,
-                                                                                          sync)
-    r["cast this rank's rows, rowwise only (quantize_impl)"] = issue_us(lambda: rows.quantize_impl(shard_rows),
-                                                                       args.repeat, sync)
+    r["cast full weight, rowwise + columnwise (TE's own cast in the linear)"] = cost(lambda: q(w))
+    r["cast this rank's rows, rowwise only (quantize_impl)"] = cost(lambda: rows.quantize_impl(shard_rows))
     dst = rows.quantize_impl(shard_rows)  # a storage to cast into again: fresh buffers, no new object
 
     def cast_into():
@@ -327,42 +305,36 @@ def te_cost(args) -> None:
         dst._scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
         tex.quantize(shard_rows, rows, dst, None)
 
-    r["cast this rank's rows into fresh buffers of a kept storage (tex.quantize with an output)"] = issue_us(
-        cast_into, args.repeat, sync)
-    r["Float8Tensor(...) from a gathered buffer"] = issue_us(build, args.repeat, sync)
-    r["Float8TensorStorage(...) from a gathered buffer"] = issue_us(
+    r["cast this rank's rows into fresh buffers of a kept storage (tex.quantize with an output)"] = cost(cast_into)
+    r["Float8Tensor(...) from a gathered buffer"] = cost(build)
+    r["Float8TensorStorage(...) from a gathered buffer"] = cost(
         lambda: Float8TensorStorage(data=data, fp8_scale_inv=full._scale_inv, fp8_dtype=full._fp8_dtype,
-                                    data_transpose=None, quantizer=q, fake_dtype=torch.bfloat16), args.repeat, sync)
-    r["Float8Tensor(...) + update_usage(columnwise only): the full transpose"] = issue_us(columnwise, args.repeat,
-                                                                                          sync)
-    r["tex.fp8_transpose of the full weight"] = issue_us(lambda: tex.fp8_transpose(data, full._fp8_dtype, out=None),
-                                                         args.repeat, sync)
-    r["this rank's 1/N of the transpose: torch.empty + copy_ of a column block"] = issue_us(
-        lambda: torch.empty((cols, out), dtype=torch.uint8, device=dev).copy_(data[:, :cols].t()), args.repeat, sync)
-    r["clone of 1/N of the transpose bytes (a shard op's one copy)"] = issue_us(
-        lambda: full._transpose.view(-1)[: full._transpose.numel() // n].clone(), args.repeat, sync)
+                                    data_transpose=None, quantizer=q, fake_dtype=torch.bfloat16))
+    r["Float8Tensor(...) + update_usage(columnwise only): the full transpose"] = cost(columnwise)
+    r["tex.fp8_transpose of the full weight"] = cost(lambda: tex.fp8_transpose(data, full._fp8_dtype, out=None))
+    r["this rank's 1/N of the transpose: torch.empty + copy_ of a column block"] = cost(
+        lambda: torch.empty((cols, out), dtype=torch.uint8, device=dev).copy_(data[:, :cols].t()))
+    r["clone of 1/N of the transpose bytes (a shard op's one copy)"] = cost(
+        lambda: full._transpose.view(-1)[: full._transpose.numel() // n].clone())
     pieces = [full._transpose.view(-1)[: 1 << 20] for _ in range(8)]
-    r["torch.cat of 8 pieces (a shard op's copy of 8 members)"] = issue_us(lambda: torch.cat(pieces), args.repeat,
-                                                                           sync)
+    r["torch.cat of 8 pieces (a shard op's copy of 8 members)"] = cost(lambda: torch.cat(pieces))
     shard = torch.empty(out * inp // n, dtype=torch.uint8, device=dev)
     group = dist.group.WORLD
     from torch.distributed.distributed_c10d import AllgatherOptions
 
     opts = AllgatherOptions()
     opts.asyncOp = True
-    r["fake group _allgather_base (N copies)"] = issue_us(
-        lambda: group._allgather_base(shard.new_empty(shard.numel() * n), shard, opts).wait(), args.repeat, sync)
-    r["one-kernel all-gather copy (expand)"] = issue_us(
-        lambda: shard.new_empty(shard.numel() * n).view(n, -1).copy_(shard.view(1, -1).expand(n, -1)), args.repeat,
-        sync)
+    r["fake group _allgather_base (N copies)"] = cost(
+        lambda: group._allgather_base(shard.new_empty(shard.numel() * n), shard, opts).wait())
+    r["one-kernel all-gather copy (expand)"] = cost(
+        lambda: shard.new_empty(shard.numel() * n).view(n, -1).copy_(shard.view(1, -1).expand(n, -1)))
     shards5 = [torch.empty(x, dtype=torch.uint8, device=dev) for x in (6 << 20, 2 << 20, 5 << 20, 5 << 20, 5 << 20)]
-    r["5 x _allgather_base (a layer's weights one by one)"] = issue_us(
-        lambda: [group._allgather_base(x.new_empty(x.numel() * n), x, opts) for x in shards5], args.repeat, sync)
-    r["allgather_into_tensor_coalesced of the 5 (one call)"] = issue_us(
-        lambda: group.allgather_into_tensor_coalesced([x.new_empty(x.numel() * n) for x in shards5], shards5, opts),
-        args.repeat, sync)
-    r["torch.empty + copy_ of 1 MB (floor)"] = issue_us(
-        lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev).copy_(pieces[0]), args.repeat, sync)
+    r["5 x _allgather_base (a layer's weights one by one)"] = cost(
+        lambda: [group._allgather_base(x.new_empty(x.numel() * n), x, opts) for x in shards5])
+    r["allgather_into_tensor_coalesced of the 5 (one call)"] = cost(
+        lambda: group.allgather_into_tensor_coalesced([x.new_empty(x.numel() * n) for x in shards5], shards5, opts))
+    r["torch.empty + copy_ of 1 MB (floor)"] = cost(
+        lambda: torch.empty(1 << 20, dtype=torch.uint8, device=dev).copy_(pieces[0]))
     # the pass's operators on a bucket of the saved kind (columnwise only: the transpose), Llama-2-7b's layer shapes
     from thunder_fp8shard.planning.layout import bucket_layout
     from thunder_fp8shard.runtime import ops
@@ -377,10 +349,10 @@ def te_cost(args) -> None:
 
     lay = bucket_layout([t.numel() for t in transposes], n)
     spec = ops.ShardSpec(group, n, (lay.shard_nbytes,), "slice", False, (tuple(f"w{i}" for i in range(5)),))
-    build5 = issue_us(saved, args.repeat, sync)
+    build5 = cost(saved)
     r["5 saved Float8Tensors built (subtracted below)"] = build5
-    r["fp8shard_shard of one bucket of 5 TE members (a layer's), less the build"] = issue_us(
-        lambda: ops._shard((saved(),), spec), args.repeat, sync) - build5
+    r["fp8shard_shard of one bucket of 5 TE members (a layer's), less the build"] = cost(
+        lambda: ops._shard((saved(),), spec)) - build5
     shard5, restorer = ops._shard((saved(),), spec)[:2]
 
     def gather_next():
@@ -388,10 +360,10 @@ def te_cost(args) -> None:
         h = ops._gather_start(shard5, 0, lay.shard_nbytes, n, group)
         return ops._gather_next(h, r_, shard5, 0, lay.shard_nbytes, n, group)
 
-    shard_us = issue_us(lambda: ops._shard((saved(),), spec), args.repeat, sync)
-    start_us = issue_us(lambda: ops._gather_start(shard5, 0, lay.shard_nbytes, n, group), args.repeat, sync)
-    r["fp8shard_gather_next of that bucket (fake group), less a shard op and a start"] = issue_us(
-        gather_next, args.repeat, sync) - shard_us - start_us
+    shard_us = cost(lambda: ops._shard((saved(),), spec))
+    start_us = cost(lambda: ops._gather_start(shard5, 0, lay.shard_nbytes, n, group))
+    r["fp8shard_gather_next of that bucket (fake group), less a shard op and a start"] = (
+        cost(gather_next) - shard_us - start_us)
     r["fp8shard_gather_start of that bucket (fake group)"] = start_us
     for name, us in r.items():
         print(f"{us:9.2f} us  {name}")

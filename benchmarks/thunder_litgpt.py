@@ -184,8 +184,7 @@ def run_side(side: str, args, flags: list[str]) -> dict:
     trace = os.path.join(workdir, "trace_rank0.json")
     if os.path.exists(trace):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from benchlib.reporting import load
-        from time_profile import summarize
+        from time_profile import load, summarize
 
         run["profile"] = summarize(load(trace))
         if args.trace_dir:

@@ -1,12 +1,9 @@
-"""Where the pass's CPU goes: at run time, from paired JSONs, and at compilation, measured. Three subcommands:
+"""Where the pass's CPU goes, at run time (from paired JSONs) and at compilation (measured). Subcommands:
 
-    python benchmarks/time_cpu.py ops benchmarks/results/paired/paired_fp8_l8_n8_*.json [--top 8]
-    python benchmarks/time_cpu.py cprofile run_default.json [--base without] [--arm default] [--top 30]
-    python benchmarks/time_cpu.py compile [--layers 8 16 32] [--out benchmarks/results/pass_cost.json]
-
-- ``ops``: the net and gross CPU a step of the operators ``paired.py --decompose-iters`` timed, as markdown;
-- ``cprofile``: the Python functions whose own time a step differs most between two arms (``paired.py --cprofile``);
-- ``compile``: the pass's hooks at compilation against the whole first call (CPU, 2 gloo ranks), as JSON.
+- ``ops JSON... [--top 8]``: the CPU a step of the operators ``paired.py --decompose-iters`` timed, as markdown;
+- ``cprofile JSON [--base without] [--arm default] [--top 30]``: two arms' Python functions (``paired.py --cprofile``);
+- ``compile [--layers 8 16 32] [--out benchmarks/results/pass_cost.json]``: the pass's hooks at compilation against
+  the whole first call (CPU, 2 gloo ranks), as JSON.
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ import platform
 import time
 
 from benchlib.reporting import load, subcommands
-
-# ---- ops: the pass's operators in paired JSONs -----------------------------------------------------------------------
 
 
 def table(r: dict, top: int) -> str:
@@ -38,20 +33,15 @@ def table(r: dict, top: int) -> str:
 
 
 def ops(a) -> None:
-    """Where the pass's CPU goes, from paired JSONs (``paired.py --decompose-iters``), as markdown.
-
-    Per JSON and arm, the net CPU ms a step the pass adds on the timed operators (the arm's less the base's), the gross
-    (its own operators alone), and the operators that differ most.
-    """
+    """Where the pass's CPU goes, from paired JSONs (``paired.py --decompose-iters``): per JSON and arm, the net CPU ms
+    a step the pass adds on the timed operators (the arm's less the base's), the gross (its own operators alone), and
+    the operators that differ most, as markdown."""
     for path in a.jsons:
         r = load(path)
         if r.get("kind") != "paired":
             continue
         print(f"## {path}\n")
         print((table(r, a.top) if r.get("pass_cpu") else "no pass_cpu (run with --decompose-iters K > 0)") + "\n")
-
-
-# ---- cprofile: two arms' Python functions ----------------------------------------------------------------------------
 
 
 def diff(profile: dict, base: str, arm: str) -> list[tuple[str, float, float, float, float]]:
@@ -66,11 +56,9 @@ def diff(profile: dict, base: str, arm: str) -> list[tuple[str, float, float, fl
 
 
 def cprofile(args) -> None:
-    """Where one arm's Python time a step differs from another's, from a paired JSON run with ``--cprofile K``.
-
-    Prints the functions whose own time a step differs most (calls and own ms a step in each arm, and the
-    difference), and the totals of own time.
-    """
+    """Where one arm's Python time a step differs from another's, from a paired JSON run with ``--cprofile K``: the
+    functions whose own time a step differs most (calls and own ms a step in each arm, and the difference), and the
+    totals of own time."""
     profile = load(args.json)["op_cpu"]["cprofile"]
     rows = diff(profile, args.base, args.arm)
     print(f"| function | calls {args.base} | calls {args.arm} | own ms {args.base} | own ms {args.arm} | diff |")
@@ -80,9 +68,6 @@ def cprofile(args) -> None:
     total = {n: sum(v[1] for v in profile["arms"][n].values()) for n in (args.base, args.arm)}
     print(f"\nown ms a step, the top functions kept: {args.base} {total[args.base]:.1f}, "
           f"{args.arm} {total[args.arm]:.1f}")
-
-
-# ---- compile: the pass's hooks at compilation ------------------------------------------------------------------------
 
 
 def measure(rank: int, world_size: int, n_layer: int) -> dict:
@@ -126,10 +111,9 @@ def measure(rank: int, world_size: int, n_layer: int) -> dict:
 
 def compile_cost(args) -> None:
     """Cost of the ShardIntermediates pass against the whole first call of a Thunder-compiled model (CPU, gloo).
-
     A litgpt-style Llama with fake-FP8 linears (``thunder_fp8shard.testing.toy_models.FakeFP8Llama``, small widths)
     under FSDPTransform ZeRO-3 on 2 gloo ranks. On rank 0 we time the pass's two post-optimization hooks (forward and
-    backward) and the whole first call (trace, autodiff, both hooks, compile, run) plus its backward.
+    backward) and the whole first call (trace, autodiff, both hooks, compile, run) plus its backward; JSON to ``--out``.
     """
     from thunder_fp8shard.testing.harness import run_on_ranks
 

@@ -1,30 +1,14 @@
 """Where a profiled training step's time goes, from ``torch.profiler`` Chrome traces (CPU + CUDA activities, one
-rank). Two subcommands:
+rank). Subcommands:
 
-    python benchmarks/time_profile.py step [--table] trace.json[.gz]
-    python benchmarks/time_profile.py paired PREFIX [--traces TRACES]
-
-- ``step``: one step's trace summarized (:func:`summarize`) as JSON; with ``--table``, the pass's operators as a
+- ``step [--table] TRACE``: one step's trace summarized as JSON (:func:`summarize`), or its pass's operators as a
   markdown table (:func:`pass_op_table`);
-- ``paired``: where each arm's overhead goes in one profiled paired run (``paired.py --profile``), as markdown.
-
-``summarize(trace)`` returns plain data:
-
-- the step's CPU span and GPU span; the compute stream (the stream with the most non-NCCL kernel time), its busy
-  time and its idle gaps, for the whole step and for the backward (kernels launched while autograd runs Thunder's
-  backward);
-- each idle gap of the compute stream classified by the kernel that ends it: ``"cpu"`` when that kernel was launched
-  after the stream went idle (the GPU waited for the CPU to issue work), ``"wait"`` when it had been launched before
-  (it waited for an event, e.g. the end of a collective on another stream);
-- NCCL kernels per stream (count, time, kinds);
-- CPU time inside the pass's operators (their ``record_function`` ranges, ``fp8shard_*``) and inside the
-  collectives' CPU calls;
-- each of the pass's operators by kind (``pass_ops``): calls, CPU time (µs a call, ms a step) and the device time of
-  the kernels, copies and memsets launched inside its calls (:func:`pass_op_costs`).
+- ``paired PREFIX [--traces TRACES]``: where each arm's overhead goes in one profiled paired run, as markdown.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import os
@@ -97,8 +81,6 @@ def pass_op_costs(trace: dict) -> dict:
     launches = {e["args"]["correlation"]: (e["ts"], e.get("tid")) for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     starts = [r[0] for r in ranges]
-    import bisect
-
     for d in (e for e in events if e.get("cat") in DEVICE_CATS):
         at = launches.get(d.get("args", {}).get("correlation"))
         if at is None:
@@ -188,9 +170,6 @@ def summarize(trace: dict, min_gap_us: float = 10.0) -> dict:
     }
 
 
-# ---- paired: one profiled paired run ---------------------------------------------------------------------------------
-
-
 def _ci(o: dict) -> str:
     lo, hi = o["ci95"]
     return f"{o['median']:+.2f}% [{lo:+.2f}, {hi:+.2f}]"
@@ -219,14 +198,21 @@ def grown(base_rows: list[dict], rows: list[dict], top: int = 10) -> str:
     return "\n".join(lines)
 
 
-# ---- the command line ------------------------------------------------------------------------------------------------
-
-
 def run_step(a) -> None:
     """Where one training step's time goes, from its Chrome trace: :func:`summarize` as JSON, or with ``--table`` the
-    pass's operators as a markdown table.
+    pass's operators as a markdown table. The summary, plain data:
 
-        python benchmarks/time_profile.py step [--table] trace.json[.gz]
+    - the step's CPU span and GPU span; the compute stream (the stream with the most non-NCCL kernel time), its busy
+      time and its idle gaps, for the whole step and for the backward (kernels launched while autograd runs
+      Thunder's backward);
+    - each idle gap of the compute stream classified by the kernel that ends it: ``"cpu"`` when that kernel was
+      launched after the stream went idle (the GPU waited for the CPU to issue work), ``"wait"`` when it had been
+      launched before (it waited for an event, e.g. the end of a collective on another stream);
+    - NCCL kernels per stream (count, time, kinds);
+    - CPU time inside the pass's operators (their ``record_function`` ranges, ``fp8shard_*``) and inside the
+      collectives' CPU calls;
+    - each of the pass's operators by kind (``pass_ops``): calls, CPU time (µs a call, ms a step) and the device
+      time of the kernels, copies and memsets launched inside its calls (:func:`pass_op_costs`).
     """
     if a.table:
         print(pass_op_table(pass_op_costs(load(a.trace))))

@@ -117,15 +117,14 @@ def flag(flags: list[str], name: str, default=None):
 
 
 def subcommands(doc: str):
-    """A tool's parser, described by its module docstring ``doc``, and ``add(name, run)``: a subcommand whose help is
-    ``run``'s docstring, run as ``args.run(args)`` (``add`` returns its parser, for its options)."""
+    """A tool's parser, described by its module docstring ``doc`` (which lists the subcommands), and ``add(name, run)``:
+    a subcommand described by ``run``'s docstring, run as ``args.run(args)`` (``add`` returns its parser)."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=doc, formatter_class=raw)
     commands = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, run) -> argparse.ArgumentParser:
-        text = inspect.cleandoc(run.__doc__)
-        sub = commands.add_parser(name, help=text.split("\n\n")[0], description=text, formatter_class=raw)
+        sub = commands.add_parser(name, description=inspect.cleandoc(run.__doc__), formatter_class=raw)
         sub.set_defaults(run=run)
         return sub
 

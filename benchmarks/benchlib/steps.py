@@ -144,8 +144,7 @@ def profile_steps(torch, benches: dict, batch, trace_dir: str | None, top: int =
         print(f"[{tag}] profile of {name}:\n" + events.table(sort_by="self_cpu_time_total", row_limit=top),
               flush=True)
         if trace_dir:
-            from benchlib.reporting import load
-            from time_profile import summarize
+            from time_profile import load, summarize
 
             raw = os.path.join(trace_dir, f"trace_{name}.json")
             prof.export_chrome_trace(raw)
