@@ -27,7 +27,7 @@ Where the pass's CPU goes (``--decompose-iters K``, default 5): after the timed 
 the pass's operators and the Thunder operators it replaces or adds to timed inside the compiled programs
 (:mod:`benchlib.op_timer`); each comparison's ``"pass_cpu"`` and ``"pass_cpu_ms_per_step"``: the net CPU ms a step
 the pass adds on those operators (the arm's ms a step less the base's, summed), the gross (its own operators alone),
-and the breakdown by operator (``benchmarks/pass_cpu.py`` prints them).
+and the breakdown by operator (``benchmarks/time_cpu.py ops`` prints them).
 
 An arm's options may name a git ``"revision"``: that arm runs that revision's pass (its package extracted with
 ``git archive`` and imported under another name beside this checkout's), so two versions of the pass are compared in
@@ -372,7 +372,7 @@ def python_profile(arms: list[Arm], drawn: list, args, top: int = 400) -> dict:
     """``--cprofile K``: K rounds of one iteration of each arm in turn under ``cProfile`` (one profiler an arm,
     enabled around its iterations alone), after everything else. Per arm: the ``top`` functions by own time, each
     ``[calls, own ms, cumulative ms]`` a step, keyed ``file:line(function)``; Python-level, so Thunder's generated
-    programs, the pass's operators and every torch call made from Python each have a row (``cprofile_diff.py``
+    programs, the pass's operators and every torch call made from Python each have a row (``time_cpu.py cprofile``
     compares two arms)."""
     import cProfile
     import pstats
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
                         "pass_cpu_ms_per_step (benchlib/op_timer.py; 0: none)")
     p.add_argument("--cprofile", type=int, default=0, metavar="K",
                    help="last, K rounds of one iteration of each arm under cProfile: the JSON's op_cpu.cprofile, "
-                        "each arm's functions by own time a step (benchmarks/cprofile_diff.py compares two arms)")
+                        "each arm's functions by own time a step (benchmarks/time_cpu.py cprofile compares two arms)")
     p.add_argument("--comm-stream", action="store_true",
                    help="with --simulate on CUDA: the pass's all-gathers run as ProcessGroupNCCL runs them, on a "
                         "stream of their own (otherwise the simulated all-gather writes on the compute stream)")

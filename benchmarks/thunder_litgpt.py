@@ -11,7 +11,7 @@ the profiled iteration is not timed by Thunder's benchmark, so the figures it re
 One JSON per comparison: Thunder's perf-metrics dict of every run under ``"without"`` and ``"with"`` (lists, in run
 order), the medians, the pass's plan (bytes, buckets, pass time), per-iteration times (iteration 0 is the
 compilation) and the milliseconds of Python garbage collection in each (full collections marked), the profile
-summaries (see ``profile_summary.py``), and the options, layers, world size, device and launch commands.
+summaries (see ``time_profile.py step``), and the options, layers, world size, device and launch commands.
 
 Usage (one GPU a rank, NCCL)::
 
@@ -184,7 +184,7 @@ def run_side(side: str, args, flags: list[str]) -> dict:
     trace = os.path.join(workdir, "trace_rank0.json")
     if os.path.exists(trace):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from profile_summary import load, summarize
+        from time_profile import load, summarize
 
         run["profile"] = summarize(load(trace))
         if args.trace_dir:

@@ -8,8 +8,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import profile_summary  # noqa: E402
 import thunder_litgpt  # noqa: E402
+import time_profile  # noqa: E402
 from benchlib import revisions, stats, steps  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def _launch(ts, corr):
     return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "args": {"correlation": corr}}
 
 
-def test_profile_summary_tells_cpu_starved_gaps_from_waits():
+def test_time_profile_step_tells_cpu_starved_gaps_from_waits():
     events = [
         {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: ThunderFunctionBackward", "ts": 0, "dur": 1000},
         {"ph": "X", "cat": "user_annotation", "name": "fp8shard_gather_wait", "ts": 300, "dur": 40},
@@ -32,7 +32,7 @@ def test_profile_summary_tells_cpu_starved_gaps_from_waits():
         _launch(440, 3), _k("gemm", 450, 50, 7, 3),
         _launch(20, 4), _k("ncclDevKernel_AllGather_RING_LL(x)", 120, 70, 9, 4),
     ]
-    s = profile_summary.summarize({"traceEvents": events})
+    s = time_profile.summarize({"traceEvents": events})
     assert s["compute_stream"] == 7
     c = s["compute"]
     assert (c["kernels"], c["busy_ms"], c["idle_ms"]) == (3, 0.25, 0.25)
@@ -379,12 +379,12 @@ def test_one_model_arms_keep_the_cache_their_programs_leave_and_are_remade_after
     assert paired._activate(base, arm) and cache == ["with-v2"] and arm.replans == 1
 
 
-def test_op_call_cost_makes_the_operators_of_this_version_and_times_each():
+def test_call_cost_ops_makes_the_operators_of_this_version_and_times_each():
     """It builds the pass's run-time objects itself, so it breaks when their signatures change (it did once)."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "op_call_cost.py"), "--repeat", "20"],
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "call_cost.py"), "ops", "--repeat", "20"],
                          capture_output=True, text=True, check=True, cwd=root)
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(rows) >= {"fp8shard_compact, 1 view", "fp8shard_compact, 4 views", "fp8shard_audit, done",

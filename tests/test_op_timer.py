@@ -14,7 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import pass_cpu as summary  # noqa: E402
+import time_cpu as summary  # noqa: E402
 from benchlib import op_timer, stats  # noqa: E402
 
 

@@ -1,11 +1,16 @@
 """What the benchmarks report: the pass's plan as plain data, the device, the flags given to Thunder's benchmark
-(after ``--``), the paired results' table and the plan-accuracy reports drawn from them."""
+(after ``--``), a tool's subcommands, a JSON file read, the paired results' table and the plan-accuracy reports drawn
+from them."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import gzip
 import importlib.util
+import inspect
+import json
 import os
 import platform
 import subprocess
@@ -96,7 +101,7 @@ def peak_where(tl) -> dict | None:
     return {"phase": s.phase, "index": s.index, "label": getattr(s, "label", None)}
 
 
-# ---- the command line: the script's own arguments, then Thunder's benchmark's flags after "--" -----------------------
+# ---- the command line: the script's own arguments, then Thunder's benchmark's flags after "--"; subcommands ----------
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -109,6 +114,27 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 def flag(flags: list[str], name: str, default=None):
     """The value of ``--name=value`` among ``flags`` (a string), or ``default``."""
     return next((f.split("=", 1)[1] for f in flags if f.startswith(f"--{name}=")), default)
+
+
+def subcommands(doc: str):
+    """A tool's parser, described by its module docstring ``doc`` (which lists the subcommands), and ``add(name, run)``:
+    a subcommand described by ``run``'s docstring, run as ``args.run(args)`` (``add`` returns its parser)."""
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=doc, formatter_class=raw)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, run) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, description=inspect.cleandoc(run.__doc__), formatter_class=raw)
+        sub.set_defaults(run=run)
+        return sub
+
+    return parser, add
+
+
+def load(path: str):
+    """A JSON file, gzipped where its name ends in ``.gz``."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
 
 
 # ---- the device ------------------------------------------------------------------------------------------------------

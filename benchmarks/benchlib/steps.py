@@ -117,7 +117,7 @@ def profile_steps(torch, benches: dict, batch, trace_dir: str | None, top: int =
                   before: dict | None = None) -> dict:
     """One iteration of each of ``benches`` (name -> bench) under ``torch.profiler`` (CPU + CUDA): the operators with
     the most self CPU time, the pass's own operators, and (with ``trace_dir``) the Chrome trace, gzipped, summarized
-    by ``profile_summary.py`` (the compute stream's idle time waiting for the CPU, NCCL kernels per stream, the pass's
+    by ``time_profile.py step`` (the compute stream's idle time waiting for the CPU, NCCL kernels per stream, the pass's
     operators by kind). ``before``: name -> a function called before each of that bench's iterations (``paired.py
     --one-model``: the arm's programs made the model's)."""
     import gzip
@@ -144,7 +144,7 @@ def profile_steps(torch, benches: dict, batch, trace_dir: str | None, top: int =
         print(f"[{tag}] profile of {name}:\n" + events.table(sort_by="self_cpu_time_total", row_limit=top),
               flush=True)
         if trace_dir:
-            from profile_summary import load, summarize
+            from time_profile import load, summarize
 
             raw = os.path.join(trace_dir, f"trace_{name}.json")
             prof.export_chrome_trace(raw)

@@ -1,39 +1,24 @@
-"""Where one training step's time goes, from a ``torch.profiler`` Chrome trace (CPU + CUDA activities, one rank).
+"""Where a profiled training step's time goes, from ``torch.profiler`` Chrome traces (CPU + CUDA activities, one
+rank). Subcommands:
 
-``summarize(trace)`` returns plain data:
-
-- the step's CPU span and GPU span; the compute stream (the stream with the most non-NCCL kernel time), its busy
-  time and its idle gaps, for the whole step and for the backward (kernels launched while autograd runs Thunder's
-  backward);
-- each idle gap of the compute stream classified by the kernel that ends it: ``"cpu"`` when that kernel was launched
-  after the stream went idle (the GPU waited for the CPU to issue work), ``"wait"`` when it had been launched before
-  (it waited for an event, e.g. the end of a collective on another stream);
-- NCCL kernels per stream (count, time, kinds);
-- CPU time inside the pass's operators (their ``record_function`` ranges, ``fp8shard_*``) and inside the
-  collectives' CPU calls;
-- each of the pass's operators by kind (``pass_ops``): calls, CPU time (µs a call, ms a step) and the device time of
-  the kernels, copies and memsets launched inside its calls (:func:`pass_op_costs`).
-
-Usage: ``python benchmarks/profile_summary.py trace.json[.gz]`` prints the summary as JSON;
-``python benchmarks/profile_summary.py --table trace.json[.gz]`` prints the pass's operators as a markdown table.
+- ``step [--table] TRACE``: one step's trace summarized as JSON (:func:`summarize`), or its pass's operators as a
+  markdown table (:func:`pass_op_table`);
+- ``paired PREFIX [--traces TRACES]``: where each arm's overhead goes in one profiled paired run, as markdown.
 """
 
 from __future__ import annotations
 
-import gzip
+import bisect
+import glob
 import json
-import sys
+import os
 from collections import defaultdict
+
+from benchlib.reporting import load, subcommands
 
 LAUNCH_SLACK_US = 5.0  # a kernel launched less than this before the gap began counts as launched late
 NCCL_PREFIX = ("ncclDevKernel", "ncclKernel")
 BACKWARD_MARK = "ThunderFunctionBackward"
-
-
-def load(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -96,8 +81,6 @@ def pass_op_costs(trace: dict) -> dict:
     launches = {e["args"]["correlation"]: (e["ts"], e.get("tid")) for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     starts = [r[0] for r in ranges]
-    import bisect
-
     for d in (e for e in events if e.get("cat") in DEVICE_CATS):
         at = launches.get(d.get("args", {}).get("correlation"))
         if at is None:
@@ -187,8 +170,100 @@ def summarize(trace: dict, min_gap_us: float = 10.0) -> dict:
     }
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "--table":
-        print(pass_op_table(pass_op_costs(load(sys.argv[2]))))
+def _ci(o: dict) -> str:
+    lo, hi = o["ci95"]
+    return f"{o['median']:+.2f}% [{lo:+.2f}, {hi:+.2f}]"
+
+
+def overheads(results: list[dict]) -> str:
+    lines = ["| arm | wall overhead [95% CI] | ms | CPU issue overhead [CI] | memory saved (GB) |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        o, c = r["overhead_pct"], r.get("cpu_issue_overhead_pct") or r.get("issue_overhead_pct")
+        lines.append(f"| {r['arm']} | {_ci(o)} | {o['median_abs']:+.2f} | {_ci(c) if c else ''} | "
+                     f"{r['memory_reduction_GB']:.2f} |")
+    return "\n".join(lines)
+
+
+def grown(base_rows: list[dict], rows: list[dict], top: int = 10) -> str:
+    """The torch operators whose self CPU time a step grew the most (arm minus base, µs), from the key averages."""
+    before = {r["name"]: r for r in base_rows}
+    diffs = []
+    for r in rows:
+        b = before.get(r["name"], {"self_cpu_us": 0.0, "calls": 0})
+        diffs.append((r["self_cpu_us"] - b["self_cpu_us"], r["name"], r["calls"] - b["calls"]))
+    lines = ["| operator | self CPU µs a step, more than the base | calls more |", "|---|---|---|"]
+    for d, name, calls in sorted(diffs, reverse=True)[:top]:
+        lines.append(f"| `{name[:70]}` | {d:+.0f} | {calls:+d} |")
+    return "\n".join(lines)
+
+
+def run_step(a) -> None:
+    """Where one training step's time goes, from its Chrome trace: :func:`summarize` as JSON, or with ``--table`` the
+    pass's operators as a markdown table. The summary, plain data:
+
+    - the step's CPU span and GPU span; the compute stream (the stream with the most non-NCCL kernel time), its busy
+      time and its idle gaps, for the whole step and for the backward (kernels launched while autograd runs
+      Thunder's backward);
+    - each idle gap of the compute stream classified by the kernel that ends it: ``"cpu"`` when that kernel was
+      launched after the stream went idle (the GPU waited for the CPU to issue work), ``"wait"`` when it had been
+      launched before (it waited for an event, e.g. the end of a collective on another stream);
+    - NCCL kernels per stream (count, time, kinds);
+    - CPU time inside the pass's operators (their ``record_function`` ranges, ``fp8shard_*``) and inside the
+      collectives' CPU calls;
+    - each of the pass's operators by kind (``pass_ops``): calls, CPU time (µs a call, ms a step) and the device
+      time of the kernels, copies and memsets launched inside its calls (:func:`pass_op_costs`).
+    """
+    if a.table:
+        print(pass_op_table(pass_op_costs(load(a.trace))))
     else:
-        print(json.dumps(summarize(load(sys.argv[1])), indent=1))
+        print(json.dumps(summarize(load(a.trace)), indent=1))
+
+
+def run_paired(a) -> None:
+    """Where an arm's overhead goes, from one profiled paired run (``paired.py --profile``), as one markdown report.
+
+    The overheads measured (wall and CPU issue, paired, with their CIs), each profiled arm's run-time operators by kind
+    (calls a step, CPU µs a call, CPU and device ms a step: :func:`pass_op_costs` over the arm's Chrome trace), and the
+    torch operators whose self CPU time a step grew the most against the base's profiled step (``torch.profiler``'s key
+    averages, the top rows each arm's JSON keeps).
+
+        python benchmarks/time_profile.py paired benchmarks/results/h200_2026-12-02b/paired_fp8_l8_n8_one_model \\
+            --traces benchmarks/results/h200_2026-12-02b/profile_fp8_l8_n8_one_model_{arm}.json.gz
+
+    The profiler's own cost is in every figure (its ``record_function`` range and the operators it records): an empty
+    operator (an audit after its first call) shows what that is on the machine.
+    """
+    results = [load(f) for f in sorted(glob.glob(a.prefix + "_*.json"))]
+    results = [r for r in results if r.get("kind") == "paired"]
+    print(f"# {os.path.basename(a.prefix)}\n\n{results[0]['design']}; {results[0]['communication']}; "
+          f"base median {results[0]['overhead_pct']['base_median']:.1f} ms\n")
+    print(overheads(results) + "\n")
+    profile = {}  # each file may keep only its own arm's and the base's profile
+    for r in results:
+        profile.update(r.get("profile") or {})
+    base = results[0]["base"]
+    for arm, prof in profile.items():
+        if arm == base:
+            continue
+        print(f"## {arm}\n")
+        if a.traces and os.path.exists(a.traces.format(arm=arm)):
+            print(pass_op_table(pass_op_costs(load(a.traces.format(arm=arm)))) + "\n")
+        if base in profile:
+            print(grown(profile[base]["top_self_cpu"], prof["top_self_cpu"]) + "\n")
+
+
+def main(argv=None) -> None:
+    parser, add = subcommands(__doc__)
+    p = add("step", run_step)
+    p.add_argument("--table", action="store_true", help="the pass's operators as a markdown table, not the summary")
+    p.add_argument("trace", help="a torch.profiler Chrome trace (.json or .json.gz)")
+    p = add("paired", run_paired)
+    p.add_argument("prefix", help="the run's JSON prefix (<prefix>_<arm>.json)")
+    p.add_argument("--traces", help="the profiled arms' Chrome traces, {arm} standing for the arm's name")
+    a = parser.parse_args(argv)
+    a.run(a)
+
+
+if __name__ == "__main__":
+    main()
