@@ -80,18 +80,6 @@ def compare(expected: list[SavedStorage], names: list[str], saved: list) -> tupl
     return total, differences
 
 
-def add_term(report: RunReport, plan: ShardPlan, term: MemoryTerm) -> None:
-    """Adds ``term`` to the report, with the plan's timeline and peak after moved by it (the plan stays as
-    compiled)."""
-    report.terms = (*report.terms, term)
-    t = plan.timeline_after
-    if t is None or not term.spans:
-        return
-    live = (span_bytes([(s, e, b) for s, e, b in term.spans], len(t.steps)) + t.live_bytes).tolist()
-    report.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
-    report.peak_bytes_after = report.timeline_after.peak_bytes
-
-
 class SavedAudit:
     """``fp8shard_audit``'s state: compares the saved storages at the first call, and counts the forward's
     calls until the first backward."""
@@ -117,8 +105,13 @@ class SavedAudit:
                               for d in differences[:4])
             shown += f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
             spans = tuple((d.start, d.end, d.measured - d.predicted) for d in differences)
-            add_term(self.report, self.plan,
-                     MemoryTerm(SAVED_TERM, MEASURED, f"saved storages the model sized otherwise ({shown})", spans))
+            report, t = self.report, self.plan.timeline_after
+            report.terms = (*report.terms, MemoryTerm(SAVED_TERM, MEASURED,
+                                                      f"saved storages the model sized otherwise ({shown})", spans))
+            if t is not None:  # the plan's timeline and peak after, moved by the term (the plan stays as compiled)
+                live = (span_bytes(spans, len(t.steps)) + t.live_bytes).tolist()
+                report.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
+                report.peak_bytes_after = report.timeline_after.peak_bytes
             warnings.warn(f"ShardIntermediates: the forward saves storages the memory model sized otherwise: {shown}; "
                           "the plan's predicted peak now counts them", RuntimeWarning, stacklevel=2)
 

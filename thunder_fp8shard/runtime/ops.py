@@ -20,6 +20,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.core.symbol import default_python_printer
 from thunder.extend import OperatorExecutor
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES
@@ -198,20 +199,12 @@ def _bucket_restore(lay: BucketLayout, kinds: list, counts: list[int], buffers: 
             whole = lay.gathered_nbytes - lay.gathered_nbytes % size
             typed.append((b.dtype, None if whole == lay.gathered_nbytes else whole))
         # offsets are multiples of ALIGN, hence of any element size
-        segments.append((index[b.dtype], tuple(b.shape), _contiguous_strides(b.shape), offset // size))
+        segments.append((index[b.dtype], tuple(b.shape), make_contiguous_strides_for(b.shape), offset // size))
     members, k = [], 0
     for kind, n in zip(kinds, counts):
         members.append((None if kind is _PLAIN else kind, tuple(segments[k : k + n])))
         k += n
     return _Restore(tuple(typed), tuple(members))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 # ---- forward: keep 1/k of replicated payloads ----
