@@ -125,8 +125,7 @@ def _shaped_by_constants(bsym: BoundSymbol, out, waited: set[str]) -> str | None
         return None
     shaping = bsym.sym.name if not tensors else _shaping(bsym)
     if shaping:
-        return (f"{SHAPED} (`{shaping}`): it may follow this rank's input shapes, and ranks compile their own "
-                "shapes")
+        return f"{SHAPED} (`{shaping}`): it may follow this rank's input shapes, and ranks compile their own shapes"
     return None
 
 
