@@ -120,9 +120,8 @@ def test_the_one_launch_path_makes_the_shard_and_copies_torch_makes(single_rank_
     from thunder_fp8shard.planning.layout import bucket_layout
 
     made = []
-    monkeypatch.setattr(ops, "_one_device", lambda tensors: torch.device("cpu"))
-    monkeypatch.setattr(multicopy.Copies, "on", classmethod(lambda cls, items, device: made.append(
-        _CopiesOnTheCPU(items, device)) or made[-1]))
+    monkeypatch.setattr(ops, "_copies_on", lambda tensors, items: made.append(
+        _CopiesOnTheCPU(items, torch.device("cpu"))) or made[-1])
     members = [torch.randn(5, 7), torch.arange(11, dtype=torch.int16), torch.randn(3, 3, dtype=torch.float64)]
     views = (VIEWS["v of qkv, transposed (LitGPT)"], VIEWS["a transposed matrix"],
              torch.randn(4, 1).expand(4, 6))  # the last is no item: torch copies it

@@ -47,15 +47,13 @@ def region_aliasing(bsym: BoundSymbol) -> RegionAliasing:
     ins = _unique_args(bsym)
     outs = [o for o in bsym.flat_outs if isinstance(o, TensorProxy)]
     try:
-        key = _structure(bsym)
-        by_position = _replayed(key, bsym)
+        views, shared = _replayed(_structure(bsym), bsym)
     except Exception as e:  # noqa: BLE001 (counted as new storages)
         if os.environ.get(STRICT_ENV, "") not in ("", "0"):
             raise RuntimeError(f"could not replay {bsym.sym.name} on fake tensors ({STRICT_ENV} is set)") from e
         log.warning("ShardIntermediates: could not replay %s on fake tensors (%s: %s); its outputs count as new "
                     "storages", bsym.sym.name, type(e).__name__, e)
         return NO_ALIASING
-    views, shared = by_position
     return RegionAliasing(
         {outs[o].name: ins[i].name for o, i in views},
         tuple((tuple(outs[o].name for o in group), nbytes) for group, nbytes in shared),
@@ -114,9 +112,9 @@ def _replay(bsym: BoundSymbol) -> tuple:
     with FakeTensorMode(), torch.no_grad():
         inputs = [_fake(a) for a in _unique_args(bsym)]
         results = fn(*inputs)
-    results = [r for r in (results if isinstance(results, (tuple, list)) else (results,))]
     outs = [o for o in bsym.flat_outs if isinstance(o, TensorProxy)]
-    tensors = [r for r in results if isinstance(r, torch.Tensor)]
+    returned = results if isinstance(results, (tuple, list)) else (results,)
+    tensors = [r for r in returned if isinstance(r, torch.Tensor)]
     if len(tensors) != len(outs):
         raise ValueError(f"{len(tensors)} tensors came back for {len(outs)} tensor outputs")
     storage_of_input = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(inputs)
@@ -128,12 +126,9 @@ def _replay(bsym: BoundSymbol) -> tuple:
             views.append((k, storage_of_input[s]))
         else:
             allocated.setdefault(s, (t.untyped_storage().nbytes(), []))[1].append(k)
-    shared = []
-    for nbytes, ks in allocated.values():
-        own = tensors[ks[0]].numel() * tensors[ks[0]].element_size()
-        if len(ks) > 1 or nbytes > own:
-            shared.append((tuple(ks), int(nbytes)))
-    return tuple(views), tuple(shared)
+    shared = tuple((tuple(ks), int(nbytes)) for nbytes, ks in allocated.values()
+                   if len(ks) > 1 or nbytes > tensors[ks[0]].numel() * tensors[ks[0]].element_size())
+    return tuple(views), shared
 
 
 def _fake(p):

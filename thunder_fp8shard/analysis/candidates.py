@@ -37,14 +37,9 @@ def find_candidates(saved: Sequence[TensorProxy], candidates: str, te_quantized:
     """The saved tensors that are FP8 (``candidates="fp8"``) or all of them (``"all"``), each once."""
     found: dict[str, Candidate] = {}
     for p in saved:
-        if p.name in found:
-            continue
-        if p.name in te_quantized:
-            found[p.name] = Candidate(p, TE_FLOAT8, payload_nbytes(p, te_quantized))
-        elif p.dtype in dtypes.float_8bit_dtypes:
-            found[p.name] = Candidate(p, FLOAT8, payload_nbytes(p, te_quantized))
-        elif candidates == "all":
-            found[p.name] = Candidate(p, TENSOR, payload_nbytes(p, te_quantized))
+        kind = TE_FLOAT8 if p.name in te_quantized else FLOAT8 if p.dtype in dtypes.float_8bit_dtypes else TENSOR
+        if p.name not in found and (kind != TENSOR or candidates == "all"):
+            found[p.name] = Candidate(p, kind, payload_nbytes(p, te_quantized))
     return list(found.values())
 
 
@@ -72,10 +67,7 @@ def saved_bytes_by_dtype(saved: Sequence[TensorProxy], te_quantized: set[str]) -
     """The payload bytes of the saved tensors (each once) by dtype, largest first: what a plan without candidates
     names."""
     by: dict[str, int] = {}
-    seen: set[str] = set()
-    for p in saved:
-        if isinstance(p, TensorProxy) and p.name not in seen:
-            seen.add(p.name)
-            key = str(p.dtype).removeprefix("thunder.dtypes.")
-            by[key] = by.get(key, 0) + payload_nbytes(p, te_quantized)
+    for p in {p.name: p for p in saved if isinstance(p, TensorProxy)}.values():
+        key = str(p.dtype).removeprefix("thunder.dtypes.")
+        by[key] = by.get(key, 0) + payload_nbytes(p, te_quantized)
     return dict(sorted(by.items(), key=lambda kv: -kv[1]))

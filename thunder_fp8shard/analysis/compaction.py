@@ -5,33 +5,22 @@ sharding candidate); the planner chooses."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import networkx as nx
 from thunder.core.proxies import TensorProxy
 
 from thunder_fp8shard.analysis.candidates import TE_FLOAT8, Candidate
-from thunder_fp8shard.analysis.liveness import Life, held_to, last_uses, storage_of, uses, view_graph
+from thunder_fp8shard.analysis.liveness import held_to, last_uses, uses, view_graph
 from thunder_fp8shard.plan import Compaction
 from thunder_fp8shard.analysis.saved import tensor_nbytes
 
 
 def program_compactions(facts, candidates: list[Candidate]) -> tuple[Compaction, ...]:
-    """The compaction options of a program (``facts``: its ``ProgramFacts``), none taken; a storage holding a model
-    input or output, or one of ``candidates`` that is a TE tensor, is none."""
+    """The compaction options of a program (``facts``: its ``ProgramFacts``) in order of allocation, none taken; a
+    storage holding a model input or output, or one of ``candidates`` that is a TE tensor, is none."""
     excluded = facts.model_io | {c.name for c in candidates if c.kind == TE_FLOAT8}
-    return tuple(compaction_options(facts.graph, facts.lives, list(facts.saved), excluded, facts.life_of))
-
-
-def compaction_options(
-    graph: nx.DiGraph, lives: Mapping[str, Life], saved: list[TensorProxy], excluded: set[str],
-    life_of: Mapping[str, Life] | None = None,
-) -> list[Compaction]:
-    """The compaction options of the program (``excluded``: names whose storage is not to be compacted), in order of
-    allocation."""
-    life_of = storage_of(lives) if life_of is None else life_of
+    graph, lives, life_of = facts.graph, facts.lives, facts.life_of
     by_storage: dict[str, dict[str, TensorProxy]] = {}
-    for p in saved:
+    for p in facts.saved:
         if p.name in life_of:
             by_storage.setdefault(life_of[p.name].name, {})[p.name] = p
     views, last_use = view_graph(graph), last_uses(graph)
@@ -52,4 +41,4 @@ def compaction_options(
             dtypes=tuple(str(p.dtype).removeprefix("thunder.dtypes.") for p in members), member_nbytes=nbytes,
             storage_nbytes=life.nbytes, compact_at=compact_at, ends=ends,
         ))
-    return options
+    return tuple(options)

@@ -43,9 +43,7 @@ def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
     seen: dict[str, int] = {}
 
     def arg(x) -> str:
-        if isinstance(x, Proxy):
-            return keys.get(x.name, PER_RANK)
-        return _constant(x)
+        return keys.get(x.name, PER_RANK) if isinstance(x, Proxy) else _constant(x)
 
     for b in trace.bound_symbols:
         if not is_compute(b):

@@ -66,12 +66,8 @@ class ShardedStorages:
     scratch_nbytes: int = 0
 
 
-def _is_tensor(x) -> bool:
-    return isinstance(x, (TensorProxy, FutureTensorProxy))
-
-
 def _tensors(xs: Iterable) -> list[Proxy]:
-    return [x for x in xs if _is_tensor(x)]
+    return [x for x in xs if isinstance(x, (TensorProxy, FutureTensorProxy))]
 
 
 def is_bookkeeping(bsym: BoundSymbol) -> bool:
@@ -114,14 +110,10 @@ def _label(bsym: BoundSymbol) -> str:
             out = bsym.output
             if out is None or (type(out) in (tuple, list) and not out):
                 return bsym.name_with_module()
-            if _is_tensor(out):
+            if isinstance(out, (TensorProxy, FutureTensorProxy)):
                 return f"{out.name} = {bsym.name_with_module()}"
         elif sym.id == PrimIDs.DEL and all(isinstance(a, Proxy) for a in bsym.args):
             return f"del {', '.join(a.name for a in bsym.args)}"[:80]
-    return _printed_label(bsym)
-
-
-def _printed_label(bsym: BoundSymbol) -> str:
     lines = bsym.python(indent=0)
     if not lines or lines[0].startswith("#"):  # unpack_trivial prints only a comment
         outs = ", ".join(p.name for p in bsym.flat_proxy_outs)
@@ -225,11 +217,6 @@ def view_graph(graph: nx.DiGraph) -> nx.DiGraph:
     return views
 
 
-def alias_groups(graph: nx.DiGraph) -> list[set[str]]:
-    """Tensor names grouped by storage: the connected components of :func:`view_graph`."""
-    return list(nx.weakly_connected_components(view_graph(graph)))
-
-
 def storage_lives(
     fw_trace: TraceCtx,
     bw_trace: TraceCtx | None,
@@ -243,15 +230,14 @@ def storage_lives(
     order = {n: k for k, n in enumerate(g)}  # order of first appearance
     last_use = last_uses(g)
     lives = []
-    for group in alias_groups(g):
+    for group in nx.weakly_connected_components(view_graph(g)):  # tensor names grouped by storage
         members = sorted(group, key=lambda n: (nodes[n]["start"], order[n]))
         rep = nodes[members[0]]
-        end = held_to(g, members, last_use)
         if "storage_nbytes" in rep:  # a buffer a fusion region allocates and its outputs view
             nbytes = rep["storage_nbytes"]
         else:
             nbytes = rep["nbytes"] if nbytes_of is None else int(nbytes_of(rep["proxy"]))
-        lives.append(Life(members[0], tuple(members), nbytes, rep["start"], end))
+        lives.append(Life(members[0], tuple(members), nbytes, rep["start"], held_to(g, members, last_use)))
     lives.sort(key=lambda life: (life.start, order[life.name]))
     return {life.name: life for life in lives}
 
@@ -269,8 +255,7 @@ def last_uses(graph: nx.DiGraph) -> dict[str, int]:
 
 def held_to(graph: nx.DiGraph, names: Iterable[str], last_use: Mapping[str, int]) -> int:
     """The last step any of ``names`` is held to: its last use, or where it is held without uses."""
-    nodes = graph.nodes
-    return max(max(last_use.get(n, 0), nodes[n]["held_until"]) for n in names)
+    return max(max(last_use.get(n, 0), graph.nodes[n]["held_until"]) for n in names)
 
 
 def storage_of(lives: Mapping[str, Life]) -> dict[str, Life]:

@@ -31,7 +31,6 @@ def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorP
     candidate)."""
     wanted = set(candidates)
     by_name = {p.name: p for p in inputs}
-    k = len(ranks)
     written = _written(fw)
     out: dict[str, TensorProxy] = {}
     taken: set[str] = set()
@@ -39,7 +38,7 @@ def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorP
         src, result = g.shard, g.gathered
         if (isinstance(src, TensorProxy) and src.name in by_name and src.name not in written and g.dim in (None, 0)
                 and result.name in wanted and src.name not in taken and result.dtype == src.dtype
-                and tensor_nbytes(result) == k * tensor_nbytes(src) and group_ranks(g.group) == ranks):
+                and tensor_nbytes(result) == len(ranks) * tensor_nbytes(src) and group_ranks(g.group) == ranks):
             out[result.name] = src
             taken.add(src.name)
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import DistParallelType, Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
@@ -19,12 +20,16 @@ from thunder_fp8shard.analysis.liveness import is_compute
 from thunder_fp8shard.analysis.names import ALL_GATHER, SLICE, TE_LINEAR_FWD, TE_SCALE_UPDATE, WAIT
 from thunder_fp8shard.analysis.saved import forward_inputs
 
-# prims whose result is not a deterministic function of their inputs
-_RANDOM_PRIMS = {PrimIDs.UNIFORM, PrimIDs.UNIFORM_PHILOX, PrimIDs.RANDINT, PrimIDs.RANDN, PrimIDs.MULTINOMIAL,
-                 PrimIDs.GET_AND_UPDATE_RNG_STATE}
-_UNINITIALIZED_PRIMS = {PrimIDs.EMPTY}
-_ATOMIC_PRIMS = {PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, PrimIDs.EMBEDDING_BACKWARD}
-_OPAQUE_PRIMS = {PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT}
+# prims whose result is not a deterministic function of their inputs: what each is ({}: the symbol's name)
+_NONDETERMINISTIC_PRIMS = {
+    **dict.fromkeys((PrimIDs.UNIFORM, PrimIDs.UNIFORM_PHILOX, PrimIDs.RANDINT, PrimIDs.RANDN, PrimIDs.MULTINOMIAL,
+                     PrimIDs.GET_AND_UPDATE_RNG_STATE), "random numbers ({})"),
+    PrimIDs.EMPTY: "uninitialized memory ({})",
+    **dict.fromkeys((PrimIDs.SCATTER_ADD, PrimIDs.INDEX_ADD, PrimIDs.INDEX_PUT, PrimIDs.EMBEDDING_BACKWARD),
+                    "{}, which may accumulate in a different order on every run"),
+    **dict.fromkeys((PrimIDs.EXOGENOUS_LIKE, PrimIDs.NUMPY_ARRAY_TO_TORCH_TENSOR, PrimIDs.SINK, PrimIDs.PRINT),
+                    "{}, which the replication analysis does not model"),
+}
 
 # torchex: torch_slice_prim_impl, torch_prims_reshape_impl
 _EXECUTOR_PRIM = re.compile(r"^torch_(?:prims_)?(\w+?)(?:_prim)?_impl$")
@@ -70,9 +75,7 @@ def analyze_replication(
 
     def origin(p: Proxy) -> str | None:
         """None when ``p`` is replicated, else the reason it is not."""
-        if p.name in replicated:
-            return None
-        return per_rank.get(p.name, f"`{p.name}` comes from outside the trace")
+        return None if p.name in replicated else per_rank.get(p.name, f"`{p.name}` comes from outside the trace")
 
     waited: set[str] = set()  # all-gathered parameters
     for bsym in trace.bound_symbols:
@@ -93,8 +96,7 @@ def _verdicts(bsym: BoundSymbol, group, origin, waited: set[str]):
     outs = list(bsym.flat_proxy_outs)
     name = bsym.sym.name
     if name == ALL_GATHER:
-        same_group = bsym.args[1] is group
-        why = None if same_group else "an all-gather over another process group"
+        why = None if bsym.args[1] is group else "an all-gather over another process group"
         return [(o, why) for o in outs]
     if name == WAIT:
         return [(o, origin(bsym.args[0])) for o in outs]
@@ -123,8 +125,7 @@ def _shaped_by_constants(bsym: BoundSymbol, out, waited: set[str]) -> str | None
         return None
     shaping = bsym.sym.name if not tensors else _shaping(bsym)
     if shaping:
-        return (f"{SHAPED} (`{shaping}`): it may follow this rank's input shapes, and ranks compile their own "
-                "shapes")
+        return f"{SHAPED} (`{shaping}`): it may follow this rank's input shapes, and ranks compile their own shapes"
     return None
 
 
@@ -145,21 +146,9 @@ def _nondeterminism(bsym: BoundSymbol) -> str | None:
         return f"{bsym.sym.name}, a collective the replication analysis does not model"
     prim = _prim_id(bsym)
     if prim is not None:
-        if prim in _RANDOM_PRIMS:
-            return f"random numbers ({bsym.sym.name})"
-        if prim in _UNINITIALIZED_PRIMS:
-            return f"uninitialized memory ({bsym.sym.name})"
-        if prim in _ATOMIC_PRIMS:
-            return f"{bsym.sym.name}, which may accumulate in a different order on every run"
-        if prim in _OPAQUE_PRIMS:
-            return f"{bsym.sym.name}, which the replication analysis does not model"
-        return None
+        return _NONDETERMINISTIC_PRIMS[prim].format(bsym.sym.name) if prim in _NONDETERMINISTIC_PRIMS else None
     if bsym.subsymbols:
-        for sub in bsym.subsymbols:
-            problem = _nondeterminism(sub)
-            if problem is not None:
-                return problem
-        return None
+        return next(filter(None, map(_nondeterminism, bsym.subsymbols)), None)
     return f"{bsym.sym.name}, which the replication analysis does not understand"
 
 
@@ -174,7 +163,7 @@ def _prim_id(bsym: BoundSymbol) -> PrimIDs | None:
 def _first_origin(proxies, origin) -> str | None:
     """Why the first per-rank argument is per-rank (None if all are replicated), preferring the rank's own data over a
     shape the constants set."""
-    whys = [why for p in _flat_proxies(proxies) if (why := origin(p)) is not None]
+    whys = [why for p in tree_flatten(proxies)[0] if isinstance(p, Proxy) and (why := origin(p)) is not None]
     if not whys:
         return None
     why = next((w for w in whys if SHAPED not in w), whys[0])
@@ -185,10 +174,3 @@ def _input_reason(arg: Proxy) -> str:
     if getattr(arg, "distparallel_type", None) == DistParallelType.FULLY_SHARDED:
         return f"this rank's parameter shard `{arg.name}`"
     return f"the rank's input `{arg.name}`"
-
-
-def _flat_proxies(xs) -> list[Proxy]:
-    from thunder.core.pytree import tree_flatten
-
-    flat, _ = tree_flatten(xs)
-    return [x for x in flat if isinstance(x, Proxy)]

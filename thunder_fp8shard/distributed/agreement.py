@@ -86,13 +86,10 @@ def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:
     :data:`MAX_TERMS`, then the budget negated. Terms whose number can differ between ranks are last and empty."""
     if len(terms) > MAX_TERMS:
         raise ValueError(f"ShardIntermediates: {len(terms)} memory terms, more than the {MAX_TERMS} the agreement sends")
-    slots = []
+    empty, slots = [0, ABSENT, ABSENT], []
     for t in terms:
-        if t.spans:
-            slots += [t.nbytes, -min(s for s, _, _ in t.spans), max(e for _, e, _ in t.spans)]
-        else:
-            slots += [0, ABSENT, ABSENT]
-    slots += [0, ABSENT, ABSENT] * (MAX_TERMS - len(terms))
+        slots += [t.nbytes, -min(s for s, _, _ in t.spans), max(e for _, e, _ in t.spans)] if t.spans else empty
+    slots += empty * (MAX_TERMS - len(terms))
     return [*slots, -budget_bytes if budget_bytes is not None else ABSENT]
 
 
@@ -122,8 +119,7 @@ def collectives(plan: ShardPlan, *, verify: bool) -> list[tuple[str, str]]:
     nbytes_of = {d.name: d.nbytes for d in plan.decisions}
     op_nbytes = plan.shard_op_nbytes
     fields = [("world size", str(plan.world_size)), ("shard group size", str(plan.k)), ("method", plan.method),
-              ("verify", str(verify)),
-              ("process group", plan.comm), ("shard ops", str(len(op_nbytes)))]
+              ("verify", str(verify)), ("process group", plan.comm), ("shard ops", str(len(op_nbytes)))]
     for op, nbytes in sorted(op_nbytes.items()):
         mine = [b for b in plan.buckets if b.shard_op == op]
         fields.append((f"shard op {op}", f"{nbytes:,} B a rank after step {max(b.shard_at for b in mine)}, keeping "
@@ -152,9 +148,7 @@ def differing(layout, group, comm: Collectives = TORCH_COLLECTIVES) -> list | No
     if group is None or comm.size(group) < 2:
         return None
     digests = comm.all_gather_digests(layout.digest, group)
-    if all(d == digests[0] for d in digests):
-        return None
-    return comm.all_gather_object(layout, group)
+    return None if all(d == digests[0] for d in digests) else comm.all_gather_object(layout, group)
 
 
 def mismatch_message(described: Sequence[Sequence[tuple[str, str]]], ranks: Sequence[int]) -> str:

@@ -80,10 +80,7 @@ def signature(fw: TraceCtx, bw: TraceCtx) -> tuple[str, ...]:
 
 def first_difference(mine: tuple[str, ...], agreed: tuple[str, ...]) -> str:
     """Where two signatures part, in words."""
-    for i, (a, b) in enumerate(zip(mine, agreed)):
-        if a != b:
-            return f"collective {i}: this program's '{a}', the agreed '{b}'"
-    i = min(len(mine), len(agreed))
+    i = next((i for i, (a, b) in enumerate(zip(mine, agreed)) if a != b), min(len(mine), len(agreed)))
     return (f"collective {i}: this program's '{mine[i] if i < len(mine) else '(none)'}', the agreed "
             f"'{agreed[i] if i < len(agreed) else '(none)'}'")
 

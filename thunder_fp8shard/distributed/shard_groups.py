@@ -46,8 +46,7 @@ class ShardGroups:
         if k == len(own_ranks) and self.comm == "shared":
             return ShardGroup(own_group, own_ranks, "own")
         chunks = tuple(partition(ranks, k, what))
-        me = dist.get_rank()
-        mine = next(c for c in chunks if me in c)
+        mine = next(c for c in chunks if dist.get_rank() in c)
         if k != len(own_ranks):
             return ShardGroup(self._new(chunks, own_group), mine, "partition")
         if mine != own_ranks:  # every rank must create the same groups
@@ -60,7 +59,6 @@ class ShardGroups:
     def _new(self, chunks: tuple[tuple[int, ...], ...], like):
         """This rank's group of a partition into ``chunks``, all created collectively the first time."""
         if chunks not in self._made:
-            mine, _ = dist.new_subgroups_by_enumeration([list(c) for c in chunks], backend=dist.get_backend(like),
-                                                      group_desc="fp8shard_shards")
-            self._made[chunks] = mine
+            self._made[chunks], _ = dist.new_subgroups_by_enumeration(
+                [list(c) for c in chunks], backend=dist.get_backend(like), group_desc="fp8shard_shards")
         return self._made[chunks]

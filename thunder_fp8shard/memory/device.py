@@ -39,16 +39,13 @@ BIAS_GEMMS = frozenset({"linear", "addmm", "baddbmm", "addbmm", "addmv", "_scale
 def cublas_gemms(trace: TraceCtx) -> frozenset[str]:
     """The forward's GEMMs that are not TransformerEngine's, by name."""
     found: set[str] = set()
-
-    def visit(bsym) -> None:
+    todo = list(trace.bound_symbols)  # and the bound symbols of fusion regions
+    while todo:
+        bsym = todo.pop()
         if bsym.sym.name in CUBLAS_GEMMS:
             found.add(bsym.sym.name)
         elif bsym.sym.is_fusion:
-            for b in bsym.subsymbols:
-                visit(b)
-
-    for b in trace.bound_symbols:
-        visit(b)
+            todo += bsym.subsymbols
     return frozenset(found)
 
 

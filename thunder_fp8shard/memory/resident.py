@@ -37,8 +37,7 @@ LOSS_COPIES = 2  # the loss rule: copies of the forward's floating-point outputs
 def step_terms(facts: ProgramFacts, options: ShardOptions, device: DeviceMemory | None) -> list[MemoryTerm]:
     """The step's terms besides the program ``facts`` describes; ``device``: what was read while compiling (None on the
     CPU)."""
-    bw_start, last = facts.backward_start, facts.last_step
-    life_of = facts.life_of
+    bw_start, last, life_of = facts.backward_start, facts.last_step, facts.life_of
     inputs, outputs = list(facts.inputs), list(facts.outputs)
     input_storages = {life_of[p.name].name for p in inputs if p.name in life_of}
     grads = _returned_gradients(facts.backward)
@@ -136,8 +135,6 @@ def kernel_workspaces(bw: TraceCtx, bw_start: int) -> MemoryTerm:
 
 def _returned_gradients(bw: TraceCtx) -> list[TensorProxy]:
     """The tensors the backward returns, each once."""
-    ret = bw.bound_symbols[-1] if bw.bound_symbols else None
-    if ret is None or ret.sym.id != PrimIDs.RETURN:
+    if not bw.bound_symbols or bw.bound_symbols[-1].sym.id != PrimIDs.RETURN:
         return []
-    found = {p.name: p for p in ret.flat_proxy_args if isinstance(p, TensorProxy)}
-    return list(found.values())
+    return list({p.name: p for p in bw.bound_symbols[-1].flat_proxy_args if isinstance(p, TensorProxy)}.values())

@@ -45,8 +45,7 @@ def plan_text(plan: ShardPlan, report: RunReport | None = None) -> str:
         f"{fmt_bytes(plan.gathered_bytes_per_step)}" + (" (and as much reduce-scattered in forward)"
                                                         if plan.method == "reduce_scatter" and plan.buckets else ""),
     ]
-    if plan.operator_calls:
-        calls = plan.operator_calls
+    if calls := plan.operator_calls:
         lines.append(f"run-time operator calls per step: {sum(calls.values())} ("
                      + ", ".join(f"{n} {name}" for name, n in calls.items() if n) + ")"
                      + (f"; the first steps also call the first-call checks ("
@@ -62,8 +61,7 @@ def plan_text(plan: ShardPlan, report: RunReport | None = None) -> str:
             + (f", WITHOUT {len(plan.left_out)} term(s) of unknown size:" if plan.left_out else "")
         )
         lines += [f"  leaves out the {t.name}: {t.how}" for t in plan.left_out]
-    if plan.budget_traffic:
-        t = plan.budget_traffic
+    if t := plan.budget_traffic:
         bound = t.lower_bound_bytes
         lines.append(f"budget: the choice moves {fmt_bytes(t.moved_bytes)} a step (shards' payloads, compactions' "
                      "copies); " + ("no choice meeting the target can move less than "
@@ -98,14 +96,12 @@ def peak_words(plan: ShardPlan) -> str:
 def run_time_lines(report: RunReport) -> list[str]:
     """What the run-time checks found (see :mod:`thunder_fp8shard.runtime.audit`), once they ran."""
     out = []
-    if report.saved is not None:
-        a = report.saved
+    if (a := report.saved) is not None:
         out.append(f"saved at the first call (measured): {fmt_bytes(a.measured_saved_bytes)}, modelled "
                    f"{fmt_bytes(a.predicted_saved_bytes)}" + (
                        f"; {len(a.differences)} storage(s) differ (the term 'saved storages at the first call')"
                        if a.differences else ""))
-    if report.calibration is not None:
-        c = report.calibration
+    if (c := report.calibration) is not None:
         out.append(f"calibration ({c.at}): device peak {fmt_bytes(c.measured_peak_bytes)}, predicted "
                    f"{fmt_bytes(c.predicted_peak_bytes)}, error {c.error_bytes:+,} B "
                    f"({c.error_pct:+.2f}%)" + (", over the budget: replanned at the next call"

@@ -77,10 +77,9 @@ def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx
     body = body_without_dels(fw)
     found = gathered(fw, frozenset(p.name for p in forward_inputs(fw)))
     key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}  # (position, rank, tie)
-    for x in found:
+    for j, x in enumerate(found):
         for k, b in enumerate(x.chain):
             key[id(b)] = (x.first_use, -1, k)  # right before the first use
-    for j, x in enumerate(found):
         if j >= prefetch:  # right before the chain of the one `prefetch` earlier
             key[id(x.gather)] = (found[j - prefetch].first_use, -2, j)
     return _reordered(fw, body, key, f"ShardIntermediates(reschedule): {max(0, len(found) - prefetch)} of "

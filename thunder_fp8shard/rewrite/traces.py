@@ -6,6 +6,7 @@ plan's steps on the traces' bound symbols; :func:`rewrite_forward` and :func:`re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
@@ -77,9 +78,8 @@ def requests(plan: ShardPlan, facts: ProgramFacts) -> tuple[list[ShardOpRequest]
     by_op: dict[int, list[TensorProxy]] = {}
     by_step: dict[int, list[TensorProxy]] = {}  # one fp8shard_compact call a step
     for c in plan.compacted:
-        members = [proxy_of[m] for m in c.members]
-        (by_op.setdefault(c.shard_op, []) if c.shard_op is not None else by_step.setdefault(c.compact_at, [])).extend(
-            members)
+        into = by_op.setdefault(c.shard_op, []) if c.shard_op is not None else by_step.setdefault(c.compact_at, [])
+        into.extend(proxy_of[m] for m in c.members)
     nbytes = plan.shard_op_nbytes
     shard_ops = [ShardOpRequest(tuple(rs), nbytes[op], after[op], tuple(by_op.get(op, ()))) for op, rs in ops_of.items()]
     compactions = [CompactionRequest(tuple(ms), fw.bound_symbols[step]) for step, ms in by_step.items()]
@@ -123,37 +123,31 @@ def rewrite_forward(
     sharded: list[ShardedBucket] = []
     shards = []
     compacted: dict[str, tuple[TensorProxy, TensorProxy]] = {}
-    with tracectx(new):
-        for c in compactions:
-            scope: list[BoundSymbol] = []
-            new.push_scope(scope)
-            copies = ops.compact(c.members, ops.CompactCopies())
-            new.pop_scope()
-            inserted_after.setdefault(position[id(c.after)], []).extend(scope)
-            compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
-        for op in shard_ops:
-            if op.buckets[0].sources:  # nothing to insert
-                (r,) = op.buckets
-                restorer = ops.SourceRestorer.of(r.members, k)
-                sharded.append(ShardedBucket(r.members, r.sources, restorer.offsets, restorer.nbytes, restorer, r))
-                shards.extend(r.sources)
-                continue
-            scope = []
-            new.push_scope(scope)
-            members = tuple(r.members for r in op.buckets)
-            names = tuple(tuple(p.name for p in m) for m in members)
-            spec = ops.ShardSpec(group, k, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
-            if spec.shard_nbytes != op.shard_nbytes:
-                raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
-                                 f"{spec.shard_nbytes:,} B")
-            shard, *outputs = ops.shard(members, spec, *((op.compact,) if op.compact else ()))
-            new.pop_scope()
-            restorers, copies = outputs[: len(op.buckets)], outputs[len(op.buckets) :]
-            compacted.update((m.name, (m, copy)) for m, copy in zip(op.compact, copies))
-            inserted_after.setdefault(position[id(op.after)], []).extend(scope)
-            shards.append(shard)
-            sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer, r)
-                        for r, restorer in zip(op.buckets, restorers)]
+    for c in compactions:
+        copies, scope = _recorded(new, lambda: ops.compact(c.members, ops.CompactCopies()))
+        inserted_after.setdefault(position[id(c.after)], []).extend(scope)
+        compacted.update((m.name, (m, copy)) for m, copy in zip(c.members, copies))
+    for op in shard_ops:
+        if op.buckets[0].sources:  # nothing to insert
+            (r,) = op.buckets
+            restorer = ops.SourceRestorer.of(r.members, k)
+            sharded.append(ShardedBucket(r.members, r.sources, restorer.offsets, restorer.nbytes, restorer, r))
+            shards.extend(r.sources)
+            continue
+        members = tuple(r.members for r in op.buckets)
+        names = tuple(tuple(p.name for p in m) for m in members)
+        spec = ops.ShardSpec(group, k, tuple(r.shard_nbytes for r in op.buckets), method, verify, names)
+        if spec.shard_nbytes != op.shard_nbytes:
+            raise ValueError(f"a shard op of {op.shard_nbytes:,} B a rank whose buckets' shards add up to "
+                             f"{spec.shard_nbytes:,} B")
+        views = (op.compact,) if op.compact else ()
+        (shard, *outputs), scope = _recorded(new, lambda: ops.shard(members, spec, *views))
+        restorers, copies = outputs[: len(op.buckets)], outputs[len(op.buckets) :]
+        compacted.update((m.name, (m, copy)) for m, copy in zip(op.compact, copies))
+        inserted_after.setdefault(position[id(op.after)], []).extend(scope)
+        shards.append(shard)
+        sharded += [ShardedBucket(r.members, shard, r.shard_offset, r.shard_nbytes, restorer, r)
+                    for r, restorer in zip(op.buckets, restorers)]
     new.bound_symbols = [b for i, b in enumerate(body) for b in (b, *inserted_after.get(i, ()))]
 
     gone = {p.name for s in sharded for p in s.originals}
@@ -195,10 +189,8 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
     with tracectx(new):
         for s in handoff.sharded:
             r = s.request
-            scope: list[BoundSymbol] = []
-            new.push_scope(scope)
-            handle = ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.k, group)
-            new.pop_scope()
+            handle, scope = _recorded(
+                new, lambda: ops.gather_start(s.shard, s.shard_offset, s.shard_nbytes, handoff.k, group))
             before.setdefault(0 if r.start_before is None else position[id(r.start_before)], []).extend(scope)
             wait = ops.gather_wait.bind(handle, s.restorer, output=tuple(s.originals))
             before.setdefault(position[id(r.wait_before)], []).append(wait)
@@ -246,17 +238,23 @@ def with_run_checks(handoff: ForwardRewrite, bw: TraceCtx, audit, calibration) -
     for trace, insert in ((handoff.trace, lambda: ops.audit(tuple(p for p in handoff.saved if isinstance(
             p, TensorProxy)), audit)), (bw, lambda: ops.calibrate(calibration))):
         new = from_trace(trace)
-        scope: list[BoundSymbol] = []
-        with tracectx(new):
-            new.push_scope(scope)
-            insert()
-            new.pop_scope()
+        _, scope = _recorded(new, insert)
         body = list(trace.bound_symbols)
         at = max(i for i, b in enumerate(body) if b.sym.id == PrimIDs.RETURN)
         new.bound_symbols = [*body[:at], *scope, *body[at:]]
         new.set_provenance(trace.get_provenance())
         out.append(new)
     return out[0], out[1]
+
+
+def _recorded(trace: TraceCtx, call: Callable[[], object]) -> tuple[object, list[BoundSymbol]]:
+    """What ``call()`` returns, and the bound symbols it records in ``trace`` (kept out of its body)."""
+    scope: list[BoundSymbol] = []
+    with tracectx(trace):
+        trace.push_scope(scope)
+        out = call()
+        trace.pop_scope()
+    return out, scope
 
 
 def _fused(inserted: list[BoundSymbol]) -> list[BoundSymbol]:

@@ -13,7 +13,6 @@ Neither synchronizes the device but for that one all-reduce; once done, both are
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,9 +24,6 @@ from thunder_fp8shard.analysis.liveness import span_bytes
 from thunder_fp8shard.memory.device import peak_allocated
 from thunder_fp8shard.plan import MEASURED, MemoryTerm, ShardPlan
 from thunder_fp8shard.runtime.run_report import CalibrationReading, Difference, RunReport, SavedCheck
-
-
-log = logging.getLogger(__name__)
 
 SAVED_TERM = "saved storages at the first call"
 CALIBRATION_TERM = "calibration"
@@ -73,40 +69,15 @@ def compare(expected: list[SavedStorage], names: list[str], saved: list) -> tupl
     total, differences = 0, []
     for e in expected:
         measured = 0
-        for k in e.members:
-            t = saved[k]
-            if not isinstance(t, torch.Tensor):
-                continue
-            for s in storages(t):
-                key = s._cdata
-                if key not in seen:
-                    seen.add(key)
-                    measured += s.nbytes()
+        for s in (s for k in e.members if isinstance(saved[k], torch.Tensor) for s in storages(saved[k])):
+            if s._cdata not in seen:
+                seen.add(s._cdata)
+                measured += s.nbytes()
         total += measured
         if abs(measured - e.nbytes) > TOLERANCE:
             differences.append(Difference(e.name, tuple(names[k] for k in e.members), e.nbytes, measured, e.start,
                                           e.end))
     return total, differences
-
-
-def saved_term(differences: list[Difference]) -> MemoryTerm:
-    shown = "; ".join(f"{', '.join(d.tensors)}: {d.measured:,} B measured, {d.predicted:,} B modelled"
-                      for d in differences[:4])
-    more = f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
-    return MemoryTerm(SAVED_TERM, MEASURED, f"saved storages the model sized otherwise ({shown}{more})",
-                      tuple((d.start, d.end, d.measured - d.predicted) for d in differences))
-
-
-def add_term(report: RunReport, plan: ShardPlan, term: MemoryTerm) -> None:
-    """Adds ``term`` to the report, with the plan's timeline and peak after moved by it (the plan stays as
-    compiled)."""
-    report.terms = (*report.terms, term)
-    t = plan.timeline_after
-    if t is None or not term.spans:
-        return
-    live = (span_bytes([(s, e, b) for s, e, b in term.spans], len(t.steps)) + t.live_bytes).tolist()
-    report.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
-    report.peak_bytes_after = report.timeline_after.peak_bytes
 
 
 class SavedAudit:
@@ -130,11 +101,19 @@ class SavedAudit:
         self.report.saved = SavedCheck(total, sum(e.nbytes for e in self.expected), tuple(differences),
                                        self.plan.peak_bytes_after)
         if differences:
-            term = saved_term(differences)
-            add_term(self.report, self.plan, term)
-            warnings.warn(f"ShardIntermediates: the forward saves storages the memory model sized otherwise: "
-                          f"{term.how.split('(', 1)[1].rstrip(')')}; the plan's predicted peak now counts them",
-                          RuntimeWarning, stacklevel=2)
+            shown = "; ".join(f"{', '.join(d.tensors)}: {d.measured:,} B measured, {d.predicted:,} B modelled"
+                              for d in differences[:4])
+            shown += f"; and {len(differences) - 4} more" if len(differences) > 4 else ""
+            spans = tuple((d.start, d.end, d.measured - d.predicted) for d in differences)
+            report, t = self.report, self.plan.timeline_after
+            report.terms = (*report.terms, MemoryTerm(SAVED_TERM, MEASURED,
+                                                      f"saved storages the model sized otherwise ({shown})", spans))
+            if t is not None:  # the plan's timeline and peak after, moved by the term (the plan stays as compiled)
+                live = (span_bytes(spans, len(t.steps)) + t.live_bytes).tolist()
+                report.timeline_after = type(t)(t.steps, tuple(live), t.backward_start)
+                report.peak_bytes_after = report.timeline_after.peak_bytes
+            warnings.warn(f"ShardIntermediates: the forward saves storages the memory model sized otherwise: {shown}; "
+                          "the plan's predicted peak now counts them", RuntimeWarning, stacklevel=2)
 
     def __repr__(self) -> str:  # printed in the trace
         return f"SavedAudit({len(self.expected)} storages)"
@@ -196,17 +175,13 @@ class Calibration:
             self.report.runs_per_step = max(self.audit.calls, 1)
         if self.clock.done:
             self.done = True
-            if not self.missed:  # a missed budget dropped the program
-                self._finish()
+            if not self.missed:  # a missed budget dropped the program; else it runs without both checks from now on
+                did = self.on_done() if self.on_done is not None else None
+                self.report.checks_removed = (f"after backward call {self.calls}: {did}" if did else
+                                              f"not removed after backward call {self.calls}: the program is not in "
+                                              "Thunder's cache (or the pass was given no cache); both return at once")
             return
         self.clock.backward(self, self.peak(self.device))
-
-    def _finish(self) -> None:
-        """Both checks are done: the program runs without them from the next call on."""
-        did = self.on_done() if self.on_done is not None else None
-        self.report.checks_removed = (f"after backward call {self.calls}: {did}" if did else
-                                      f"not removed after backward call {self.calls}: the program is not in "
-                                      "Thunder's cache (or the pass was given no cache); both return at once")
 
     def calibrate(self, mine: int, measured: int) -> None:
         """Records the peak (``measured``: the largest over the ranks) and replans a missed budget."""

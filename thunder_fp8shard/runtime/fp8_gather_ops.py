@@ -16,12 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 from thunder.core.proxies import AnyProxy, TensorProxy
-from torch.distributed.distributed_c10d import AllgatherOptions
 
-from thunder_fp8shard.runtime.ops import executor
+from thunder_fp8shard.runtime.ops import _ASYNC, executor
 
-_ASYNC = AllgatherOptions()
-_ASYNC.asyncOp = True
 _float8_tensor = None  # TE's Float8Tensor class, imported lazily
 
 
@@ -128,9 +125,7 @@ def start_one(shard: torch.Tensor, quantizer, fp8: bool, spec: WeightGatherSpec)
         send[: spec.valid_rows].copy_(cast._data.view(torch.uint8))
     else:
         cast = spec._cast(shard)
-        send = cast._data
-        if send.dtype is not torch.uint8:
-            send = send.view(torch.uint8)
+        send = cast._data if cast._data.dtype is torch.uint8 else cast._data.view(torch.uint8)
     buf = torch.empty((n * c, cols), dtype=torch.uint8, device=shard.device)
     work = spec.group._allgather_base(buf, send, _ASYNC)
     return WeightGatherHandle(work, buf, cast._scale_inv, cast._fp8_dtype, quantizer, send)

@@ -20,6 +20,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import AnyProxy, TensorProxy
 from thunder.core.symbol import default_python_printer
 from thunder.extend import OperatorExecutor
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from thunder_fp8shard.distributed.agreement import TORCH_COLLECTIVES
@@ -89,19 +90,13 @@ class _Restore:
         self.plain = tuple(s for _, (s,) in members) if all(kind is None for kind, _ in members) else None
 
     def __call__(self, buf: torch.Tensor, states: list) -> tuple:
-        views = [buf]
-        for dtype, nbytes in self.typed:
-            views.append((buf if nbytes is None else buf[:nbytes]).view(dtype))
+        views = [buf] + [(buf if nbytes is None else buf[:nbytes]).view(dtype) for dtype, nbytes in self.typed]
         if self.plain is not None:
             return tuple([views[i].as_strided(shape, stride, offset) for i, shape, stride, offset in self.plain])
         out = []
         for (kind, segments), state in zip(self.members, states):
-            if kind is None:
-                ((i, shape, stride, offset),) = segments
-                out.append(views[i].as_strided(shape, stride, offset))
-            else:
-                out.append(kind.give(state, [views[i].as_strided(shape, stride, offset)
-                                             for i, shape, stride, offset in segments]))
+            parts = [views[i].as_strided(shape, stride, offset) for i, shape, stride, offset in segments]
+            out.append(parts[0] if kind is None else kind.give(state, parts))
         return tuple(out)
 
 
@@ -204,20 +199,12 @@ def _bucket_restore(lay: BucketLayout, kinds: list, counts: list[int], buffers: 
             whole = lay.gathered_nbytes - lay.gathered_nbytes % size
             typed.append((b.dtype, None if whole == lay.gathered_nbytes else whole))
         # offsets are multiples of ALIGN, hence of any element size
-        segments.append((index[b.dtype], tuple(b.shape), _contiguous_strides(b.shape), offset // size))
+        segments.append((index[b.dtype], tuple(b.shape), make_contiguous_strides_for(b.shape), offset // size))
     members, k = [], 0
     for kind, n in zip(kinds, counts):
         members.append((None if kind is _PLAIN else kind, tuple(segments[k : k + n])))
         k += n
     return _Restore(tuple(typed), tuple(members))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 # ---- forward: keep 1/k of replicated payloads ----
@@ -235,15 +222,10 @@ def _shard(buckets, spec: ShardSpec, views=()):
         bucket_states = []
         for obj in objs:
             kind = _KIND_OF_TYPE.get(type(obj)) or payload.kind_of(obj)
-            if kind is _PLAIN:
-                buffers.append(obj)
-                bucket_states.append(None)
-                counts.append(1)
-            else:
-                member_buffers, state = kind.take(obj)
-                buffers += member_buffers
-                bucket_states.append(state)
-                counts.append(len(member_buffers))
+            member_buffers, state = ([obj], None) if kind is _PLAIN else kind.take(obj)
+            buffers += member_buffers
+            bucket_states.append(state)
+            counts.append(len(member_buffers))
             kinds.append(kind)
         states.append(bucket_states)
     prog = spec.program
@@ -272,23 +254,21 @@ class _Launch:
 
 def _launch(prog: _Program, buffers: list[torch.Tensor], views, compact: CompactCopies) -> _Launch | None:
     """The one-launch copies of ``prog`` and ``compact``'s views (None: not all on one device with the kernel)."""
-    device = _one_device((*buffers, *views))
-    if device is None:
-        return None
     launch = _Launch()
     launch.strides = compact.strides
     launch.sources = tuple((k, start) for k, start, *_ in prog.pieces)
     launch.targets = tuple(at for *_, at in prog.pieces)
     items = [multicopy.Item(n) for _, _, n, _, _ in prog.pieces] + [i for i in compact.items or () if i is not None]
-    launch.copies = multicopy.Copies.on(items, device)
+    launch.copies = _copies_on((*buffers, *views), items)
     return launch if launch.copies is not None else None
 
 
-def _one_device(tensors) -> torch.device | None:
-    """The CUDA device of all ``tensors`` (None: another device, or several)."""
+def _copies_on(tensors, items: list) -> multicopy.Copies | None:
+    """One launch copying ``items`` on the CUDA device of all ``tensors`` (None: another device, or several, or no
+    kernel there)."""
     on = {t.device for t in tensors}
     device = on.pop() if len(on) == 1 else None
-    return device if device is not None and device.type == "cuda" else None
+    return multicopy.Copies.on(items, device) if device is not None and device.type == "cuda" else None
 
 
 def _slice_and_compact(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor], views) -> tuple:
@@ -315,9 +295,7 @@ def _slice(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]) -> torc
     """This rank's bytes of the buckets with torch (the CPU): one copy kernel when the pieces tile the shard."""
     pieces = []
     for k, start, n, retype, _ in prog.pieces:
-        b = buffers[k]
-        if not b.is_contiguous():
-            b = b.contiguous()
+        b = buffers[k].contiguous()
         if retype:
             b = (b.view(-1) if b.dim() == 0 else b).view(_UINT8)  # a 0-dim scale has no dim to retype
         pieces.append(b.as_strided((n,), (1,), b.storage_offset() + start))
@@ -345,10 +323,21 @@ def _reduce_scatter(spec: ShardSpec, prog: _Program, buffers: list[torch.Tensor]
 
 
 def _verify(spec: ShardSpec, counts: list[int], buffers: list[torch.Tensor]) -> None:
+    """Raises on every rank if the ranks' payloads differ (compares SHA-256 digests of each member's bytes)."""
     k = 0
     for name, n in zip((name for names in spec.names for name in names), counts):
-        check_identical_across_ranks([payload.as_bytes(b) for b in buffers[k : k + n]], spec.group, name)
+        h = hashlib.sha256()
+        for b in buffers[k : k + n]:
+            h.update(payload.as_bytes(b).detach().cpu().numpy().tobytes())
         k += n
+        digests = TORCH_COLLECTIVES.all_gather_digests(h.digest(), spec.group)
+        differing = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differing:
+            raise RuntimeError(
+                f"ShardIntermediates(verify=True): saved tensor {name!r} is not identical on every rank "
+                f"(ranks {differing} differ from rank 0), so it cannot be rebuilt from shards. The replication "
+                "analysis accepted a per-rank tensor: please report this with the forward trace."
+            )
 
 
 def _shard_printer(bsym, out_printables, arg_printables, kwarg_printables) -> str:
@@ -358,21 +347,6 @@ def _shard_printer(bsym, out_printables, arg_printables, kwarg_printables) -> st
 
 
 shard = _register("fp8shard_shard", _shard_meta, _shard, python_printer=_shard_printer)
-
-
-def check_identical_across_ranks(flats: list[torch.Tensor], group, name: str) -> None:
-    """Raises on every rank if the ranks' payloads differ (compares SHA-256 digests)."""
-    h = hashlib.sha256()
-    for flat in flats:
-        h.update(flat.detach().cpu().numpy().tobytes())
-    digests = TORCH_COLLECTIVES.all_gather_digests(h.digest(), group)
-    differing = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differing:
-        raise RuntimeError(
-            f"ShardIntermediates(verify=True): saved tensor {name!r} is not identical on every rank "
-            f"(ranks {differing} differ from rank 0), so it cannot be rebuilt from shards. The replication analysis "
-            "accepted a per-rank tensor: please report this with the forward trace."
-        )
 
 
 # ---- backward: all-gather the shards and rebuild ----
@@ -421,13 +395,10 @@ def _gather_sources(sources: tuple, offsets: tuple[int, ...], nbytes: int, k: in
 _COALESCED: dict = {}  # group -> coalesced (not under gloo)
 
 
-class _Works:
+class _Works(NamedTuple):
     """Several all-gathers in flight, waited for together."""
 
-    __slots__ = ("works",)
-
-    def __init__(self, works):
-        self.works = works
+    works: list
 
     def wait(self) -> None:
         for w in self.works:
@@ -505,9 +476,7 @@ class CompactCopies:
     def __call__(self, views) -> tuple:
         self.update(views)
         if self.launch is _UNSET:
-            device = _one_device(views)
-            self.launch = None if device is None else multicopy.Copies.on([i for i in self.items if i is not None],
-                                                                          device)
+            self.launch = _copies_on(views, [i for i in self.items if i is not None])
         if self.launch is None:
             return tuple([torch.empty_permuted(v.shape, order, dtype=v.dtype, device=v.device).copy_(v)
                           for v, order in zip(views, self.orders)])

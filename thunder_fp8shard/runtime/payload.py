@@ -102,15 +102,8 @@ def nbytes(t: torch.Tensor) -> int:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes in contiguous order as a flat ``uint8`` tensor (a view when contiguous)."""
-    t = t.contiguous()
-    if t.dim() != 1:
-        t = t.view(-1)
+    t = t.contiguous().view(-1)
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def from_bytes(flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A view of ``flat`` (``uint8``, aligned) as a contiguous tensor of ``shape`` and ``dtype``."""
-    return (flat if dtype == torch.uint8 else flat.view(dtype)).view(shape)
 
 
 try:  # only where TransformerEngine is installed

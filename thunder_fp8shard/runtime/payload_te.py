@@ -62,13 +62,15 @@ class TransformerEnginePayload(_TEQuantizedPayload):
     large_kwargs = ("data", "data_transpose")
 
 
-def _optional_kind(module: str, cls_name: str, kind_name: str, large: tuple[str, ...]) -> type | None:
-    """A payload class for a TE storage type that this TE version may not have."""
+def _optional_kind(module: str, cls_name: str, kind_name: str) -> type | None:
+    """A payload class for a TE storage type that this TE version may not have: its row- and columnwise data are the
+    payload."""
     try:
-        mod = __import__(module, fromlist=[cls_name])
+        mod = __import__(f"transformer_engine.pytorch.tensor.storage.{module}", fromlist=[cls_name])
         storage = getattr(mod, cls_name)
     except (ImportError, AttributeError):
         return None
+    large = ("rowwise_data", "columnwise_data")
     return type(
         f"{cls_name}Payload", (_TEQuantizedPayload,),
         {"name": kind_name, "storage_cls": storage, "large_kwargs": large,
@@ -76,15 +78,7 @@ def _optional_kind(module: str, cls_name: str, kind_name: str, large: tuple[str,
     )
 
 
-MXFP8Payload = _optional_kind(
-    "transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage", "MXFP8TensorStorage", "te_mxfp8",
-    ("rowwise_data", "columnwise_data"),
-)
-Float8BlockwisePayload = _optional_kind(
-    "transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage", "Float8BlockwiseQTensorStorage",
-    "te_float8_blockwise", ("rowwise_data", "columnwise_data"),
-)
-
 # those this TE version has
-EXTRA_KINDS = tuple(k() for k in (MXFP8Payload, Float8BlockwisePayload) if k is not None)
-
+EXTRA_KINDS = tuple(k() for k in (_optional_kind("mxfp8_tensor_storage", "MXFP8TensorStorage", "te_mxfp8"),
+                                  _optional_kind("float8_blockwise_tensor_storage", "Float8BlockwiseQTensorStorage",
+                                                 "te_float8_blockwise")) if k is not None)
