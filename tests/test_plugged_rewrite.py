@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import thunder_fp8shard
-from thunder_fp8shard.analysis.compaction import compaction_options
+from thunder_fp8shard.analysis.compaction import program_compactions
 from thunder_fp8shard.pipeline import REWRITES
 from thunder_fp8shard.rewrite.shape import Effect, Program, Rewrite
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
@@ -25,9 +25,7 @@ NAME = "halved_views"
 
 def _sites(program: Program) -> tuple:
     """Views at most half their storage, of storages holding no model input or output."""
-    facts = program.facts
-    options = compaction_options(facts.graph, facts.lives, list(facts.saved), facts.model_io, facts.life_of)
-    return tuple(c for c in options if 2 * sum(c.member_nbytes) <= c.storage_nbytes)
+    return tuple(c for c in program_compactions(program.facts, []) if 2 * sum(c.member_nbytes) <= c.storage_nbytes)
 
 
 def _effect(program: Program, effect: Effect) -> Effect:
