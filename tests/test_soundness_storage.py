@@ -11,7 +11,8 @@ from thunder_fp8shard.distributed.integrations.base import Integration
 from thunder_fp8shard.distributed.integrations.thunder_ddp import replicated_parameters
 from thunder_fp8shard.analysis.liveness import storage_of
 from thunder_fp8shard.options import ShardOptions
-from thunder_fp8shard.pipeline import analyze
+from thunder_fp8shard.pipeline import analysis_of, found
+from thunder_fp8shard.rewrite.shape import Program
 from thunder_fp8shard.planning.planner import soundness
 from thunder_fp8shard.testing.toy_models import PreNormMLP
 
@@ -39,7 +40,7 @@ def _decisions(setup, group_and_traces):
     inputs = replicated_parameters if setup == "ddp" else (lambda trace: frozenset())
     integration = Integration(setup, group, replicated_inputs=inputs)
     options = ShardOptions(candidates="all", min_bytes=0)
-    a = analyze(program_facts(fw, bw), options, integration, None)
+    a = analysis_of(*found(Program(program_facts(fw, bw), options, integration)), None)  # no shard group
     decisions = soundness(list(a.candidates), a.replication, set(a.model_io), options, 2, a.model, set(a.saved_names))
     return {d.name: d for d in decisions}, a
 

@@ -20,7 +20,7 @@ from thunder.core.trace import TraceCtx
 from thunder_fp8shard.analysis.candidates import saved_bytes_by_dtype
 from thunder_fp8shard.analysis.identity import program_key, tensor_keys
 from thunder_fp8shard.analysis.replication import analyze_replication
-from thunder_fp8shard.analysis.program import ProgramFacts, program_facts
+from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.analysis.saved import backward_saved, forward_inputs
 from thunder_fp8shard.distributed.agreement import (
     TORCH_COLLECTIVES, Collectives, agree, differing, largest, mismatch_message,
@@ -127,11 +127,6 @@ def analysis_of(program: Program, effect: Effect, device: DeviceMemory | None, e
         replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
     return Analysis(tuple(effect.candidates), model, replication, facts.saved_names, facts.model_io,
                     saved_bytes_by_dtype(facts.saved, facts.te_names), effect.sources)
-
-
-def analyze(facts: ProgramFacts, options: ShardOptions, setup=None, device=None, **analysis) -> Analysis:
-    """The analysis one rank plans on, with no shard group (no own shards)."""
-    return analysis_of(*found(Program(facts, options, setup)), device, **analysis)
 
 
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,

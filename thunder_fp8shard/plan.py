@@ -254,11 +254,6 @@ class ShardPlan:
         return self.shard_group_size or self.world_size
 
     @property
-    def saving_fraction(self) -> float:
-        """(k-1)/k: the part of each sharded copy a rank no longer keeps."""
-        return (self.k - 1) / self.k
-
-    @property
     def gathered_bytes_per_step(self) -> int:
         """Bytes each rank receives in this program's backward all-gathers, padding included. Under ThunderFX, sum
         the plans of the step's subgraphs."""

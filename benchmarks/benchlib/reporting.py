@@ -67,7 +67,7 @@ def plan_summary(shard) -> dict | None:
         # (without, with) the option's decisions, and the weight elements it casts to FP8
         "forward_gather_bytes_per_step": [total(lambda p: getattr(p, "forward_gather_bytes", (0, 0))[i]) for i in (0, 1)],
         "forward_cast_elements_per_step": [total(lambda p: getattr(p, "forward_cast_elements", (0, 0))[i]) for i in (0, 1)],
-        "saving_fraction": getattr(plan, "saving_fraction", (plan.world_size - 1) / plan.world_size),
+        "saving_fraction": (plan.k - 1) / plan.k,
         "compactions": total(lambda p: len(getattr(p, "compacted", []))),
         "compacted_bytes": total(lambda p: getattr(p, "compacted_bytes_per_step", 0)),
         "compaction_freed_bytes": total(lambda p: sum(c.freed_bytes for c in getattr(p, "compacted", []))),

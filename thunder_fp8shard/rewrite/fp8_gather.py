@@ -309,7 +309,7 @@ def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank
             new.push_scope(scope)
             handles = gops.weight_gather_starts(
                 tuple(s.shard for s in run), tuple(s.linear.args[4] for s in run),
-                tuple(_producer_arg0(f.producer, s.quantizers.args[0]) for s in run), batch)
+                tuple(f.producer[s.quantizers.args[0].name].args[0] for s in run), batch)  # the states' recipes
             new.pop_scope()
             after.setdefault(at, []).extend([*getters, *scope])
             for s, h, spec in zip(run, handles, specs):
@@ -331,13 +331,6 @@ def _implementation(linear: BoundSymbol):
     if fn is None:
         raise ValueError(f"{linear.sym.name} has no Python implementation to call")
     return fn
-
-
-def _producer_arg0(producer: dict[str, BoundSymbol], state) -> object:
-    """The recipe proxy a TE state getter was called with."""
-    if state.name not in producer:
-        raise ValueError(f"no producer of {state.name}")
-    return producer[state.name].args[0]
 
 
 def operator_calls(fw: TraceCtx) -> dict[str, int]:
