@@ -1,7 +1,8 @@
-"""The pass's stages in order, as one function of a compilation's traces (:func:`compile_plan`), each phase run over
-the rewrites (:data:`REWRITES`, or those given in ``Seams.rewrites``); a rewrite's variant of the program is planned too and kept where it says (:func:`_variant`). It
-touches nothing of Thunder's; its only effects are the collectives over the shard group. What it reads of the world,
-the rewrites it runs and the choices tests plant wrong come in as :class:`Seams`, never as patched module globals.
+"""The pass's stages in order, as one function of a compilation's traces (:func:`compile_plan`), each phase run over the
+rewrites (:data:`REWRITES`, or those given in ``Seams.rewrites``); a rewrite's variant of the program is planned too and
+kept where it says (:func:`_variant`). It touches nothing of Thunder's; its only effects are the collectives over the
+shard group. What it reads of the world, the rewrites it runs and the choices tests plant wrong come in as
+:class:`Seams`, never as patched module globals.
 """
 
 from __future__ import annotations

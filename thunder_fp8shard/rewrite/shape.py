@@ -1,7 +1,8 @@
 """Every rewrite in one shape: pure functions that :func:`~thunder_fp8shard.pipeline.compile_plan` runs over
-``pipeline.REWRITES`` (or the rewrites given in ``Seams.rewrites``, one's own among them) in order, one phase at a time (all sites, then the memory model from all effects, then the
-decisions, then the rewrites of the traces). A rewrite gives only those it has; one that changes the program itself
-gives a ``variant``, which the pipeline plans too and keeps where the rewrite's ``keep`` says."""
+``pipeline.REWRITES`` (or the rewrites given in ``Seams.rewrites``, one's own among them) in order, one phase at a time
+(all sites, then the memory model from all effects, then the decisions, then the rewrites of the traces). A rewrite
+gives only those it has; one that changes the program itself gives a ``variant``, which the pipeline plans too and keeps
+where the rewrite's ``keep`` says."""
 
 from __future__ import annotations
 
