@@ -179,10 +179,9 @@ def _variant(first: _Planned, planned: Callable[..., _Planned], rewrites: tuple[
         note = f"{r.name}: as the model's agreed layout" if forced is not None else r.keep(
             first.program, traces, first.plan, second.plan)
         if note is not None:  # the variant, with the program's plan as its "before", and the note
-            old = first.plan
-            return dataclasses.replace(second, decided={
-                **second.decided, "peak_bytes_before": old.peak_bytes_before, "timeline_before": old.timeline_before,
-                "program_peak_bytes_before": old.program_peak_bytes_before, "notes": (*second.decided["notes"], note)})
+            before = ("peak_bytes_before", "timeline_before", "program_peak_bytes_before")
+            return dataclasses.replace(second, decided={**second.decided, "notes": (*second.decided["notes"], note),
+                                                        **{f: getattr(first.plan, f) for f in before}})
     return first
 
 

@@ -136,14 +136,10 @@ def memory_model(
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
     compactions = program_compactions(facts, candidates) if compactions is None else tuple(compactions)
-    rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
+    resized = resized or {}  # each storage one of whose proxies the forward rewrite resizes, with its new size
+    sizes = ((life, next((resized[m] for m in life.members if m in resized), None)) for life in lives.values())
+    rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in sizes if size is not None)
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
-
-
-def _resized_lives(lives: Mapping[str, Life], resized: Mapping[str, int]) -> list[tuple[Life, int]]:
-    """Each storage one of whose proxies ``resized`` names, with its new size."""
-    sizes = [(life, next((resized[m] for m in life.members if m in resized), None)) for life in lives.values()]
-    return [(life, size) for life, size in sizes if size is not None]
 
 
 def gathers_hold_scratch(group, device: str | None) -> bool:
