@@ -62,13 +62,11 @@ class ShardOptions:
     reschedule: bool = True
 
     def __post_init__(self) -> None:
-        _one_of("candidates", self.candidates, CANDIDATE_KINDS)
-        _one_of("compact", self.compact, COMPACTS)
-        _one_of("method", self.method, SHARD_METHODS)
-        _one_of("policy", self.policy, POLICIES)
-        _non_negative_int("min_bytes", self.min_bytes)
-        _non_negative_int("prefetch", self.prefetch)
-        _non_negative_int("bucket_bytes", self.bucket_bytes)
+        for name, allowed in (("candidates", CANDIDATE_KINDS), ("compact", COMPACTS), ("method", SHARD_METHODS),
+                              ("policy", POLICIES)):
+            _one_of(name, getattr(self, name), allowed)
+        for name in ("min_bytes", "prefetch", "bucket_bytes"):
+            _non_negative_int(name, getattr(self, name))
         _one_of("comm", self.comm, COMMS)
         for name in ("resident_bytes", "optimizer_states", "loss_bytes"):
             if getattr(self, name) is not None:
@@ -81,8 +79,14 @@ class ShardOptions:
                     f"ShardIntermediates: group must be a torch.distributed.ProcessGroup (e.g. dist.group.WORLD or "
                     f"mesh.get_group()), got {type(self.group).__name__}"
                 )
-        if self.shard_group_size is not None:
-            _shard_group_size(self.shard_group_size)
+        if (k := self.shard_group_size) is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(
+                    f"ShardIntermediates: shard_group_size must be a positive int (ranks a subgroup), got {k!r}")
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                check_size(k, dist.get_world_size(), "the world")
         for name in ("reschedule", "fp8_forward_gather", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ShardIntermediates: {name} must be a bool, got {getattr(self, name)!r}")
@@ -110,26 +114,13 @@ def _non_negative_int(name: str, value: object) -> None:
         raise ValueError(f"ShardIntermediates: {name} must be a non-negative int, got {value!r}")
 
 
-def _shard_group_size(k: object) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"ShardIntermediates: shard_group_size must be a positive int (ranks a subgroup), got {k!r}")
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        check_size(k, dist.get_world_size(), "the world")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_size(k: int, n: int, what: str) -> None:
     """Refuses a subgroup size that does not divide ``n``, the ranks of ``what``."""
     if n % k:
         raise ValueError(
             f"ShardIntermediates: shard_group_size={k} does not divide the {n} ranks of {what}, so they cannot be "
-            f"partitioned into subgroups of {k} consecutive ranks; use one of {divisors(n)} (or leave it out: "
-            "the setup's own group)"
+            f"partitioned into subgroups of {k} consecutive ranks; use one of "
+            f"{[d for d in range(1, n + 1) if n % d == 0]} (or leave it out: the setup's own group)"
         )
 
 

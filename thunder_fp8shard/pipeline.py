@@ -149,7 +149,8 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
     budget, values, chooser = o.budget_bytes, (), seams.chooser
     if forced is None:  # the same inputs, hence the same plan, on every rank
         agreed = agree(analysis.model.terms, o.budget_bytes, together, seams.collectives)
-        analysis, budget, values = analysis.with_terms(agreed.terms), agreed.budget_bytes, agreed.values
+        analysis = dataclasses.replace(analysis, model=dataclasses.replace(analysis.model, terms=tuple(agreed.terms)))
+        budget, values = agreed.budget_bytes, agreed.values
     else:
         names = {key: n for n, key in keys.items()}
         chooser = functools.partial(choose_layout, buckets=[[names.get(key, key) for key in b] for b in forced.buckets],
@@ -176,19 +177,13 @@ def _variant(first: _Planned, planned: Callable[..., _Planned], rewrites: tuple[
         if traces is None:
             continue
         second = planned(traces[0], bw=traces[1], variant=r.name, forced=forced)
-        note = "as the model's agreed layout" if forced is not None else r.keep(first.program, traces, first.plan,
-                                                                                  second.plan)
-        if note is not None:
-            return _before_of(second, first.plan, note if forced is None else f"{r.name}: {note}")
+        note = f"{r.name}: as the model's agreed layout" if forced is not None else r.keep(
+            first.program, traces, first.plan, second.plan)
+        if note is not None:  # the variant, with the program's plan as its "before", and the note
+            before = ("peak_bytes_before", "timeline_before", "program_peak_bytes_before")
+            return dataclasses.replace(second, decided={**second.decided, "notes": (*second.decided["notes"], note),
+                                                        **{f: getattr(first.plan, f) for f in before}})
     return first
-
-
-def _before_of(planned: _Planned, thunders: ShardPlan, note: str) -> _Planned:
-    """``planned`` (a program's variant) decided with the program's plan (``thunders``) as its "before", and
-    ``note``."""
-    return dataclasses.replace(planned, decided={
-        **planned.decided, "peak_bytes_before": thunders.peak_bytes_before, "timeline_before": thunders.timeline_before,
-        "program_peak_bytes_before": thunders.program_peak_bytes_before, "notes": (*planned.decided["notes"], note)})
 
 
 def plan_header(options: ShardOptions, setup: Integration | None, shards: ShardGroup | None) -> dict[str, Any]:
@@ -251,8 +246,7 @@ def agreement_group(setup: Integration | None, shards: ShardGroup | None):
     or no setup."""
     if setup is None or shards is None:
         return None
-    groups = [(setup.world_size, 0, setup.group), (shards.size, 1, shards.group)]
-    size, _, group = max(groups, key=lambda g: (g[0], -g[1]))
+    size, group = (shards.size, shards.group) if shards.size > setup.world_size else (setup.world_size, setup.group)
     return group if size > 1 else None
 
 

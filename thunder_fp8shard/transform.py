@@ -122,7 +122,15 @@ class ShardIntermediates(Transform):
     def _forward(self, fw: TraceCtx) -> TraceCtx:
         start = time.perf_counter()
         self._pending = None
-        _check_last_post_optimization_transform(self)
+        transforms = list(getattr(get_compile_data(), "transforms", None) or [])
+        later = transforms[transforms.index(self) + 1 :] if self in transforms else []
+        hooked = [t for t in later
+                  if type(t).transform_trace_post_optimization is not Transform.transform_trace_post_optimization]
+        if hooked:  # this must be the last transform with a post-optimization hook
+            raise RuntimeError(
+                f"{type(self).__name__} must be the last transform with a post-optimization step (it completes the "
+                f"forward trace when it sees the backward); move it after {', '.join(type(t).__name__ for t in hooked)}"
+            )
         setup, shards = self._setup()
         if not forward_saved(fw)[0]:
             header = plan_header(self.options, setup, shards)
@@ -186,14 +194,3 @@ class CompactSavedViews(ShardIntermediates):
 
     def _setup(self) -> tuple[None, None]:
         return None, None
-
-
-def _check_last_post_optimization_transform(me: ShardIntermediates) -> None:
-    transforms = list(getattr(get_compile_data(), "transforms", None) or [])
-    later = transforms[transforms.index(me) + 1 :] if me in transforms else []
-    hooked = [t for t in later if type(t).transform_trace_post_optimization is not Transform.transform_trace_post_optimization]
-    if hooked:
-        raise RuntimeError(
-            f"{type(me).__name__} must be the last transform with a post-optimization step (it completes the forward "
-            f"trace when it sees the backward); move it after {', '.join(type(t).__name__ for t in hooked)}"
-        )

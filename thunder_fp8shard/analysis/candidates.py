@@ -57,9 +57,8 @@ def te_quantized_names(trace: TraceCtx) -> set[str]:
         if name.startswith(TE_LINEAR_FWD):
             quantized.update(p.name for p in bsym.output[1:])
         elif name.startswith(TE_SCALE_UPDATE):
-            for out, token in zip(bsym.output, bsym.kwargs.get("tokens", ())):
-                if token.name in quantized:
-                    quantized.add(out.name)
+            quantized.update(out.name for out, token in zip(bsym.output, bsym.kwargs.get("tokens", ()))
+                             if token.name in quantized)
     return quantized
 
 

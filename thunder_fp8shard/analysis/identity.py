@@ -42,14 +42,12 @@ def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
     keys: dict[str, str] = {p.name: f"in:{p.name}" for p in forward_inputs(trace) if p.name in stable}
     seen: dict[str, int] = {}
 
-    def arg(x) -> str:
-        return keys.get(x.name, PER_RANK) if isinstance(x, Proxy) else _constant(x)
-
     for b in trace.bound_symbols:
         if not is_compute(b):
             continue
         flat_args, _ = tree_flatten((b.args, b.kwargs))
-        op = _COUNTER.sub("", b.sym.name) + "(" + ",".join(arg(x) for x in flat_args) + ")"
+        args = (keys.get(x.name, PER_RANK) if isinstance(x, Proxy) else _constant(x) for x in flat_args)
+        op = _COUNTER.sub("", b.sym.name) + "(" + ",".join(args) + ")"
         for i, out in enumerate(b.flat_proxy_outs):
             if out.name not in stable or out.name in keys:
                 continue

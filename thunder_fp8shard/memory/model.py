@@ -85,7 +85,8 @@ class MemoryModel:
         groups = [self.sharded_storages(b) for b in buckets]
         touched = {name: self.lives[name] for g in groups for name in g.lives}
         touched.update((c.storage, self.lives[c.storage]) for c in compactions)
-        after = with_compaction(with_sharding(touched, self.steps, groups), [compacted_storage(c) for c in compactions])
+        after = with_compaction(with_sharding(touched, self.steps, groups), [
+            CompactedStorage(c.storage, c.members, c.member_nbytes, c.compact_at, c.ends) for c in compactions])
         n = len(self.steps)
         return span_bytes(life_spans(after.values()), n) - span_bytes(life_spans(touched.values()), n)
 
@@ -135,18 +136,10 @@ def memory_model(
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
     compactions = program_compactions(facts, candidates) if compactions is None else tuple(compactions)
-    rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in _resized_lives(lives, resized or {}))
+    resized = resized or {}  # each storage one of whose proxies the forward rewrite resizes, with its new size
+    sizes = ((life, next((resized[m] for m in life.members if m in resized), None)) for life in lives.values())
+    rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in sizes if size is not None)
     return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
-
-
-def _resized_lives(lives: Mapping[str, Life], resized: Mapping[str, int]) -> list[tuple[Life, int]]:
-    """Each storage one of whose proxies ``resized`` names, with its new size."""
-    out = []
-    for life in lives.values():
-        size = next((resized[m] for m in life.members if m in resized), None)
-        if size is not None:
-            out.append((life, size))
-    return out
 
 
 def gathers_hold_scratch(group, device: str | None) -> bool:
@@ -158,8 +151,3 @@ def gathers_hold_scratch(group, device: str | None) -> bool:
         return group is not None and device is None and dist.get_backend(group) == "gloo"
     except (RuntimeError, ValueError):  # not a process group torch knows
         return False
-
-
-def compacted_storage(c: Compaction) -> CompactedStorage:
-    """What compaction ``c`` does to its storage."""
-    return CompactedStorage(c.storage, c.members, c.member_nbytes, c.compact_at, c.ends)

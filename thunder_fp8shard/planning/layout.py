@@ -5,6 +5,7 @@ views."""
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 ALIGN = 256  # bytes; enough for any kernel (a fresh CUDA caching allocator block is 512-aligned)
@@ -36,12 +37,9 @@ class BucketLayout:
     def pieces(self, rank: int) -> tuple[tuple[int, int, int, int], ...]:
         """The parts of segments rank ``rank`` keeps: ``(segment, start, stop, offset in the shard)``."""
         lo, hi = rank * self.shard_nbytes, (rank + 1) * self.shard_nbytes
-        out = []
-        for seg, (off, size) in enumerate(zip(self.offsets, self.sizes)):
-            a, b = max(lo, off), min(hi, off + size)
-            if a < b:
-                out.append((seg, a - off, b - off, a - lo))
-        return tuple(out)
+        clipped = ((seg, off, max(lo, off), min(hi, off + size))
+                   for seg, (off, size) in enumerate(zip(self.offsets, self.sizes)))
+        return tuple((seg, a - off, b - off, a - lo) for seg, off, a, b in clipped if a < b)
 
 
 def bucket_layout(sizes: list[int] | tuple[int, ...], k: int) -> BucketLayout:
@@ -70,9 +68,6 @@ def sources_layout(sizes: list[int] | tuple[int, ...]) -> BucketLayout:
 
 def packed_offsets(sizes: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     """Offsets of segments packed back to back, and the total: how a shard op keeps its buckets' shards."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += int(size)
-    return tuple(offsets), end
+    ends = tuple(itertools.accumulate((int(s) for s in sizes), initial=0))
+    return ends[:-1], ends[-1]
 

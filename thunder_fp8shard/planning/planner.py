@@ -18,7 +18,7 @@ from thunder_fp8shard.planning.layout import bucket_layout
 from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import (
-    UNKNOWN, AgreedValue, BudgetTraffic, Bucket, Compaction, Decision, MemoryTerm, ShardPlan,
+    UNKNOWN, AgreedValue, BudgetTraffic, Bucket, Compaction, Decision, ShardPlan,
 )
 from thunder_fp8shard.analysis.replication import Replication
 from thunder_fp8shard.format import fmt_bytes
@@ -36,10 +36,6 @@ class Analysis:
     saved_by_dtype: dict[str, int] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)  # candidate -> the forward input that is its shard
 
-    def with_terms(self, terms: Sequence[MemoryTerm]) -> Analysis:
-        """The same analysis with the memory terms every rank agreed on."""
-        return replace(self, model=replace(self.model, terms=tuple(terms)))
-
 
 ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
 
@@ -52,10 +48,9 @@ def soundness(
     size; ``sources``: candidates whose shard is a forward input."""
     sources = sources or {}
     decisions = []
-    life_of = model.life_of
     for c in candidates:
         replicated = replication.is_replicated(c.name)
-        life = life_of.get(c.name)
+        life = model.life_of.get(c.name)
         storage = life.nbytes if life is not None else c.payload_bytes
         shard = bucket_layout([c.payload_bytes], k).shard_nbytes if k > 0 else c.payload_bytes
         held = [m for m in life.members if m in model_io] if life is not None else []
@@ -73,7 +68,8 @@ def soundness(
             why = f"smaller than min_bytes={options.min_bytes}"
         elif c.name not in model.placements:
             why = "not used in backward"
-        elif others := _storage_sharers(c, model, saved_names):
+        elif others := sorted(m for m in model.lives[model.placements[c.name].life].members
+                              if m != c.name and m in saved_names):
             why = f"shares its storage with saved tensor(s) {', '.join(others)}: sharding it alone frees nothing"
         elif storage <= shard:
             why = (f"a view of a {storage:,} B storage ({c.payload_bytes:,} B as its shape says): the {shard:,} B shard "
@@ -229,9 +225,8 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
             notes.append(_budget_note(options.budget_bytes, target, model.evaluate([]).peak_bytes, lowest))
             if not met:
                 warnings.append(notes[-1])
-        unknown = [t.name for t in model.terms if t.source == UNKNOWN]
-        if target is not None and unknown:
-            notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
+            if unknown := [t.name for t in model.terms if t.source == UNKNOWN]:
+                notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
                          "size): the step can exceed it by that much")
     final = [d if d.name not in refused else _not_sharded(d, refused[d.name]) for d in sound]
     taken = [c for c in compactions if c.compacted]
@@ -270,7 +265,9 @@ def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptio
     firsts = [b.first_use for b in placed]
     if firsts != sorted(firsts):
         raise LayoutError("the agreed buckets are used in another order in this program's backward")
-    compactions = _not_raising_the_peak(_compaction_options(model, final, options), model)
+    compactions = _compaction_options(model, final, options)  # those not raising the peak on their own
+    raising = _raising(_items(model, compactions=[c for c in compactions if c.compacted]), model.live_bytes())
+    compactions = _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
     compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, placed, model)]
     warnings = []
     taken = [c for c in compactions if c.compacted]
@@ -340,12 +337,6 @@ def _placed_reason(c: Compaction, model: MemoryModel) -> Compaction:
         reason += (f" (moved from step {c.moved_from}, its storage's last forward use: the predicted peak does not "
                    "rise)")
     return replace(c, reason=reason)
-
-
-def _not_raising_the_peak(compactions: list[Compaction], model: MemoryModel) -> list[Compaction]:
-    """Policy "all": every eligible compaction that does not raise the predicted peak on its own."""
-    raising = _raising(_items(model, compactions=[c for c in compactions if c.compacted]), model.live_bytes())
-    return _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
 
 
 RAISES = "it would raise the predicted peak"
@@ -429,11 +420,6 @@ def least_traffic(base, target: int, items) -> int | None:
         if need <= 0:
             return int(math.ceil(bound))
     return None
-
-
-def _storage_sharers(c: Candidate, model: MemoryModel, saved_names: set[str]) -> list[str]:
-    life = model.lives[model.placements[c.name].life]
-    return sorted(m for m in life.members if m != c.name and m in saved_names)
 
 
 def _not_sharded(d: Decision, why: str) -> Decision:

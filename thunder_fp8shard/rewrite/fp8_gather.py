@@ -64,11 +64,6 @@ def _forward(fw: TraceCtx) -> _Forward:
                     frozenset(p.name for p in forward_inputs(fw)))
 
 
-def _returned(trace: TraceCtx) -> set[str]:
-    ret = [b for b in trace.bound_symbols if b.sym.id == PrimIDs.RETURN]
-    return {p.name for b in ret for p in b.flat_proxy_args}
-
-
 def _is_row_slice(b: BoundSymbol, src: TensorProxy, dst: TensorProxy) -> bool:
     """``dst = src[:rows]`` along dim 0, every other dim whole, stride 1."""
     args = b.args
@@ -88,7 +83,7 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
     f = _forward(fw)
     body, producer, inputs, position = f.body, f.producer, f.inputs, f.index
     uses = {name: [body[i] for i in at] for name, at in readers(body).items()}
-    returned = _returned(fw)
+    returned = {p.name for b in fw.bound_symbols if b.sym.id == PrimIDs.RETURN for p in b.flat_proxy_args}
     recomputed = bw is not None and any(b.sym.name.startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
     first_update, last_update = {}, {}  # proxy -> its first and last scale update
     for i, b in enumerate(body):

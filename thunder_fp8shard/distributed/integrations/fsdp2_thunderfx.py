@@ -158,13 +158,9 @@ def _matching(trace, inputs: dict[str, _Input]) -> list[str]:
     """Trace inputs that are the graph inputs of the same name, with the real tensor's shape and dtype."""
     from thunder.core import dtypes
 
-    out = []
-    for p in _trace_tensor_inputs(trace):
-        i = inputs.get(p.name)
-        if i is not None and i.tensor is not None and tuple(p.shape) == tuple(i.tensor.shape) and (
-                dtypes.to_torch_dtype(p.dtype) == i.tensor.dtype):
-            out.append(p.name)
-    return out
+    return [p.name for p in _trace_tensor_inputs(trace)
+            if (i := inputs.get(p.name)) is not None and i.tensor is not None
+            and tuple(p.shape) == tuple(i.tensor.shape) and dtypes.to_torch_dtype(p.dtype) == i.tensor.dtype]
 
 
 def _reasons(trace, inputs: dict[str, _Input], owned: dict, roots: set[str]) -> dict[str, str]:
