@@ -227,7 +227,7 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
                 warnings.append(notes[-1])
             if unknown := [t.name for t in model.terms if t.source == UNKNOWN]:
                 notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
-                         "size): the step can exceed it by that much")
+                             "size): the step can exceed it by that much")
     final = [d if d.name not in refused else _not_sharded(d, refused[d.name]) for d in sound]
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
