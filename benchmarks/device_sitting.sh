@@ -3,7 +3,7 @@
 # `benchmarks/device_sitting.sh collect` (a tarball into $OUT). The sittings before it, with the job lists they ran:
 # the NOTES.md of their results' folders, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (a sitting with a "revision" arm: carry .rev/):
-#   benchmarks/device_sitting.sh start s29  # launches the sitting's jobs (returns at once)
+#   benchmarks/device_sitting.sh start s31  # launches the sitting's jobs (returns at once)
 #   benchmarks/device_sitting.sh collect    # waits up to $WAIT seconds for them, then tars what exists into $OUT
 # The jobs of a sitting compile side by side but time alone: every paired run removes its file under $R/busy when
 # its arms are built, waits until that folder is empty (nothing else compiling or running) and takes $R/gpu.lock
@@ -34,12 +34,17 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s29 (next): the GPU module on the final code of issue #56 beside the FP8 default's next launch (the package as it
-# is: one launch a shard op, the calls made again still reverted), then bf16's
-fp8_j() { paired final_fp8_l32_n8_j "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
-bf16_g() {
-  while ! grep -q "final_fp8_l32_n8_j rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
-  paired final_bf16_l32_n8_g "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32
+# s31 (next): first bring back the calls made again (ops._Again, 1fea74e, reverted in 1beed4f until the GPU module
+# passes on them; `git revert 1beed4f` merges but no longer runs since ops.py's _launch changed: redo it by hand on
+# _copies_on, CPU tests first), then carry .rev/ with `git archive -o .rev/REV.tar REV thunder_fp8shard`, REV the
+# commit before them (one launch a shard op; set REV below). The GPU module beside the build; the FP8 default beside
+# the package without them (launch k); FP8 at seq 8192 (80.6 GB without the pass: an H200 only)
+REV=${REV:-271576b}
+fp8_k() { paired final_fp8_l32_n8_k "{\"without\": null, \"null\": null, \"onelaunch\": {\"revision\": \"$REV\"}, \"default\": {}}" \
+  40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+fp8_8192_a() {
+  while ! grep -q "final_fp8_l32_n8_k rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+  paired final_fp8_l32_n8_s8192_a "$USER_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32 --block_size=8192
 }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
@@ -50,7 +55,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' REV='$REV' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -60,9 +65,9 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/logs/device.txt" 2>&1
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
-      s29) export GPU_TEST_WORKERS=8; launch gpu_tests fp8_j bf16_g
-        rm -f "$R/busy/bf16_g"; echo 3 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s29"; exit 2 ;;
+      s31) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k fp8_8192_a
+        rm -f "$R/busy/fp8_8192_a"; echo 3 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s31"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -74,5 +79,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s29|collect"; exit 2 ;;
+  *) echo "usage: $0 start s31|collect"; exit 2 ;;
 esac
