@@ -330,6 +330,8 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
 
     from thunder_fp8shard.analysis.program import program_facts
     from thunder_fp8shard.memory.model import memory_model
+    from thunder_fp8shard.options import ShardOptions
+    from thunder_fp8shard.planning.planner import choose
 
     class DelayedScaling:
         reduce_amax = True
@@ -338,16 +340,19 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
     trace, _ = forward([(64, 32), (48, 64), (39, 16)], n=n)  # the third padded: 2 x 20 rows gathered, 39 kept
     fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
                          recipe=DelayedScaling(), default_world_size=n, rank=0)
-    sizes = fg.buffer_nbytes()
+    items = fg.resized()  # the resize items it offers the planner, by weight
+    sizes = {name: nbytes for _, new in items.values() for name, nbytes in new.items()}
     rows = [32, 24, 20]
     assert {k: v for k, v in sizes.items() if k.startswith("w_full")} == {
         "w_full0": rows[0] * n * 32 + rows[0] * 32, "w_full1": rows[1] * n * 64 + rows[1] * 64,
         "w_full2": rows[2] * n * 16 + rows[2] * 16}
+    assert [moved for moved, _ in items.values()] == [r.received_bytes_after - r.received_bytes_before
+                                                      for r in fg.rows] and all(m < 0 for m, _ in items.values())
     bw = TraceCtx()
     with tracectx(bw):
         prims.python_return(None)
     facts = program_facts(trace, bw, set())
-    model = memory_model(facts, [], resized=sizes)
+    model = memory_model(facts, [], resized=items)
     bf16 = {name: facts.lives[name].nbytes for name in ("w_full0", "w_full1", "w_full2")}
     assert bf16 == {"w_full0": 64 * 32 * 2, "w_full1": 48 * 64 * 2, "w_full2": 40 * 16 * 2}
     life = facts.lives["w_full1"]
@@ -355,9 +360,17 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
     assert change[life.start] <= sizes["w_full1"] - bf16["w_full1"] < 0
     assert (change <= 0).all() and change[-1] == 0
     assert model.evaluate().peak_bytes < model.evaluate(rewritten=False).peak_bytes
+    # moving fewer bytes and holding fewer at every step, they are taken under every policy, even lowering no peak
+    for options in ({"policy": "all"}, {"policy": "peak"}, {"policy": "budget", "budget_bytes": 1 << 40, "optimizer_states": 0}):
+        assert set(choose([], model, ShardOptions(**options), n).resized) == set(items) == {r.weight for r in fg.rows}
+    # a weight left out by the choice keeps its bf16 gather, and the plan says why
+    one = fg.chosen({fg.rows[0].weight})
+    assert [r.fp8 for r in one.rows] == [True, False, False] and one.rows[1].reason == fp8_gather.NOT_CHOSEN
+    assert one.rows[1].received_bytes_after == one.rows[1].received_bytes_before
+    assert "1 TE linear weight(s) all-gathered in FP8" in str(one.apply(trace).get_provenance())
     # a weight left in bf16 (here every one: the option off) keeps its size
     off = fp8_gather.plan(trace, None, enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n)
-    assert off.buffer_nbytes() == {} and memory_model(facts, [], resized={}).rewritten == ()
+    assert off.resized() == {} and memory_model(facts, [], resized={}).rewritten == ()
 
 
 def test_a_te_linear_recomputed_in_the_backward_is_counted_at_its_fp8_bytes():

@@ -403,3 +403,21 @@ def test_gloos_all_gather_temporary_is_counted_for_programs_on_the_cpu_only(monk
     assert gathers_hold_scratch(group, None) and not gathers_hold_scratch(group, "cuda:0")
     monkeypatch.setattr(dist, "get_backend", lambda g: "nccl")
     assert not gathers_hold_scratch(group, None) and not gathers_hold_scratch(None, None)
+
+
+@pytest.mark.parametrize("policy", ["all", "peak"])
+def test_an_item_clashing_with_one_taken_is_left_out_and_says_which(policy):
+    """V (100 B) is the only saved view of storage Q (300 B): sharding V frees all of Q, compacting Q frees 200 B of
+    it. The two items clash (the compaction's ``conflicts`` are Q's tensors): under either policy the shard is taken
+    (it lowers the peak more per byte moved) and the compaction is left out, naming it."""
+    from thunder_fp8shard.planning.planner import COMPACTION, SHARD, _items
+
+    lives = {**LIVES, "Q": Life("Q", ("Q", "V"), 300, 0, 8)}
+    c = Compaction("Q", ("V",), ((25,),), ("float32",), (100,), 300, 1, (8,))
+    model = MemoryModel(lives, STEPS, {"V": Placement("Q", 1, 8)}, compute=(True,) * 10, compactions=(c,))
+    v = Decision("V", (25,), "float32", "tensor", 100, True, True, "identical on every rank; rank keeps 1/2", 50, 300)
+    choice = choose([v], model, ShardOptions(prefetch=0, optimizer_states=0, policy=policy, min_bytes=0), 2)
+    assert [(d.name, d.sharded) for d in choice.decisions] == [("V", True)]
+    assert [(x.compacted, x.reason) for x in choice.compactions] == [(False, "its storage is sharded instead (V)")]
+    shard, copy = _items(model, group([v], model, prefetch=0, bucket_bytes=0, k=2), [c])
+    assert (shard.kind, copy.kind, copy.conflicts) == (SHARD, COMPACTION, {"Q", "V"}) and copy.clashes(shard)

@@ -33,7 +33,7 @@ from thunder_fp8shard.memory.device import DeviceMemory, DeviceProbe
 from thunder_fp8shard.memory.model import gathers_hold_scratch, memory_model
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import ShardPlan
-from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout
+from thunder_fp8shard.planning.planner import Analysis, LayoutError, choose, choose_layout, decide
 from thunder_fp8shard.rewrite.collective_schedule import RESCHEDULE
 from thunder_fp8shard.rewrite.compact import COMPACTION
 from thunder_fp8shard.rewrite.fp8_gather import FORWARD_GATHER
@@ -155,9 +155,10 @@ def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards
         names = {key: n for n, key in keys.items()}
         chooser = functools.partial(choose_layout, buckets=[[names.get(key, key) for key in b] for b in forced.buckets],
                                     ops=forced.shard_ops)
-    program = dataclasses.replace(program, options=dataclasses.replace(o, budget_bytes=budget), analysis=analysis,
-                                  agreed=values, chooser=chooser)
-    decided, warns = plan_header(o, setup, shards), ()
+    o = dataclasses.replace(o, budget_bytes=budget)
+    program = dataclasses.replace(program, options=o, analysis=analysis, agreed=values,
+                                  choice=decide(analysis, o, program.k, chooser))  # the one decision
+    decided, warns = plan_header(o, setup, shards), tuple(program.choice.warnings)
     for r in seams.rewrites:
         if r.decide is not None:
             fields, more = r.decide(program)

@@ -4,8 +4,8 @@ step's other memory; the one evaluator of choices."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,9 +42,10 @@ class MemoryModel:
     compactions: tuple[Compaction, ...] = ()  # none taken
     # the all-gather holds a temporary of its whole output from issue to wait (gloo on the CPU)
     gather_scratch: bool = False
-    # ``(first, last, bytes)`` spans the forward rewrite changes whatever is sharded; left out of the run without the
-    # pass
-    rewritten: tuple[tuple[int, int, int], ...] = ()
+    # ``(key, first, last, bytes)``: the spans a forward rewrite's resize items change (the FP8 forward gather's, by
+    # weight), whatever is sharded; left out of the run without the pass
+    rewritten: tuple[tuple[str, int, int, int], ...] = ()
+    resize_moved: Mapping[str, int] = field(default_factory=dict)  # what each resize item changes in the bytes moved
 
     def compute_steps_between(self, first: int, last: int) -> int:
         """Compute steps strictly between two steps."""
@@ -63,19 +64,24 @@ class MemoryModel:
         return np.concatenate(([0], np.cumsum(np.asarray(self.compute, dtype=np.int64))))
 
     def evaluate(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
-                 terms: bool = True, rewritten: bool = True) -> Timeline:
-        """The predicted device timeline with ``buckets`` sharded and ``compactions`` made (``rewritten=False``: without
-        the pass)."""
+                 terms: bool = True, rewritten: bool | Collection[str] = True) -> Timeline:
+        """The predicted device timeline with ``buckets`` sharded and ``compactions`` made and the resize items
+        ``rewritten`` names (True: all; False: none, as without the pass)."""
         live = self.live_bytes(buckets, compactions, terms=terms, rewritten=rewritten)
         return Timeline(self.steps, tuple(live.tolist()), backward_start(self.steps))
 
     def live_bytes(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = (), *,
-                   terms: bool = True, rewritten: bool = True) -> np.ndarray:
-        """Bytes live at each step with ``buckets`` sharded and ``compactions`` made."""
+                   terms: bool = True, rewritten: bool | Collection[str] = True) -> np.ndarray:
+        """Bytes live at each step with ``buckets`` sharded, ``compactions`` made and the resize items ``rewritten``
+        names."""
         live = self._program_bytes + self.change(buckets, compactions)
-        if rewritten and self.rewritten:
-            live = live + self._rewritten_bytes
+        if rewritten:
+            live = live + (self._rewritten_bytes if rewritten is True else self.resized(rewritten))
         return live + self._term_bytes if terms else live
+
+    def resized(self, keys: Collection[str]) -> np.ndarray:
+        """What the resize items ``keys`` change in the live bytes at each step."""
+        return span_bytes([span for key, *span in self.rewritten if key in keys], len(self.steps))
 
     def change(self, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> np.ndarray:
         """What ``buckets`` and ``compactions`` change in the live bytes at each step, on the storages they touch
@@ -96,7 +102,7 @@ class MemoryModel:
 
     @functools.cached_property
     def _rewritten_bytes(self) -> np.ndarray:
-        return span_bytes(self.rewritten, len(self.steps))
+        return span_bytes([span for _, *span in self.rewritten], len(self.steps))
 
     @functools.cached_property
     def _term_bytes(self) -> np.ndarray:
@@ -118,12 +124,12 @@ class MemoryModel:
 
 def memory_model(
     facts: ProgramFacts, candidates: list[Candidate], *, options: ShardOptions | None = None, device=None,
-    gather_scratch: bool = False, resized: Mapping[str, int] | None = None,
+    gather_scratch: bool = False, resized: Mapping[str, tuple[int, Mapping[str, int]]] | None = None,
     compactions: Sequence[Compaction] | None = None,
 ) -> MemoryModel:
     """Places every candidate on the program's storages and adds the step's other memory (without ``options``, the
-    program's alone). ``resized``: storages the forward rewrite resizes; ``compactions``: the options (None: found
-    here)."""
+    program's alone). ``resized``: the forward rewrite's resize items, by key: what each changes in the bytes moved and
+    the new bytes of the proxies it resizes; ``compactions``: the options (None: found here)."""
     graph, lives, steps, bw_start = facts.graph, facts.lives, facts.steps, facts.backward_start
     life_of = facts.life_of
     compute = tuple(is_compute(graph.nodes[i]["bsym"]) for i in range(len(steps)))
@@ -136,10 +142,12 @@ def memory_model(
             placements[c.name] = Placement(life.name, max([life.start, *forward_uses]), min(backward_uses))
     terms = tuple(step_terms(facts, options, device)) if options is not None else ()
     compactions = program_compactions(facts, candidates) if compactions is None else tuple(compactions)
-    resized = resized or {}  # each storage one of whose proxies the forward rewrite resizes, with its new size
-    sizes = ((life, next((resized[m] for m in life.members if m in resized), None)) for life in lives.values())
-    rewritten = tuple((life.start, life.end, size - life.nbytes) for life, size in sizes if size is not None)
-    return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten)
+    resized = resized or {}  # each storage one of whose proxies an item resizes: the item's key, its new size
+    new = {m: (key, size) for key, (_, sizes) in resized.items() for m, size in sizes.items()}
+    hits = ((life, next((new[m] for m in life.members if m in new), None)) for life in lives.values())
+    rewritten = tuple((hit[0], life.start, life.end, hit[1] - life.nbytes) for life, hit in hits if hit is not None)
+    return MemoryModel(lives, steps, placements, compute, terms, compactions, gather_scratch, rewritten,
+                       {key: moved for key, (moved, _) in resized.items()})
 
 
 def gathers_hold_scratch(group, device: str | None) -> bool:

@@ -78,27 +78,30 @@ def soundness(
     return decisions
 
 
-def make_plan(analysis: Analysis, options: ShardOptions, k: int, agreed: Sequence[AgreedValue] = (),
-              chooser=None) -> tuple[dict, list[str]]:
-    """The plan's fields the planner decides for one compilation, from the agreed analysis and options; ``chooser``
-    is injectable for tests. Returns the fields (``notes`` among them) and the warnings to give."""
-    model = analysis.model
+def decide(analysis: Analysis, options: ShardOptions, k: int, chooser=None) -> Choice:
+    """The one decision of a compilation: the policy over every rewrite's items (``chooser``: :func:`choose`, the agreed
+    layout's, or a test's)."""
     sound = []
     if analysis.replication is not None:
         sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, k,
-                          model, set(analysis.saved_names), analysis.sources)
-    choice = (chooser or choose)(sound, model, options, k)
-    buckets, taken = choice.buckets, [c for c in choice.compactions if c.compacted]
+                          analysis.model, set(analysis.saved_names), analysis.sources)
+    return (chooser or choose)(sound, analysis.model, options, k)
+
+
+def make_plan(analysis: Analysis, options: ShardOptions, choice: Choice, agreed: Sequence[AgreedValue] = ()) -> dict:
+    """The plan's fields the planner's ``choice`` decides for one compilation (``notes`` among them)."""
+    model = analysis.model
+    buckets, taken, resized = choice.buckets, [c for c in choice.compactions if c.compacted], choice.resized
     # before: without the pass (nor its forward rewrite); after: as the pass runs it
-    before, after = model.evaluate(rewritten=False), model.evaluate(buckets, taken)
+    before, after = model.evaluate(rewritten=False), model.evaluate(buckets, taken, rewritten=resized)
     program_before = model.evaluate(terms=False, rewritten=False)
-    program_after = model.evaluate(buckets, taken, terms=False)
+    program_after = model.evaluate(buckets, taken, terms=False, rewritten=resized)
     life_of = model.life_of
     saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in analysis.saved_names}.values())
     saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
                    + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
     budget = options.budget_bytes if options.policy == "budget" else None
-    fields = dict(
+    return dict(
         decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),
         saved_bytes_before=saved_before, saved_bytes_after=saved_after,
         peak_bytes_before=before.peak_bytes, peak_bytes_after=after.peak_bytes,
@@ -110,7 +113,6 @@ def make_plan(analysis: Analysis, options: ShardOptions, k: int, agreed: Sequenc
         budget_traffic=BudgetTraffic(**choice.traffic) if choice.traffic else None,
         budget_target_bytes=budget_target(budget) if budget is not None else None,
     )
-    return fields, choice.warnings
 
 
 def no_candidates(saved_by_dtype: dict[str, int], options: ShardOptions) -> str:
@@ -142,27 +144,54 @@ class Choice:
     # policy "budget": the bytes the choice moves a step, and a lower bound for any choice meeting the target
     # (least_traffic)
     traffic: dict | None = None
+    resized: tuple[str, ...] = ()  # the resize items taken (the memory model's ``rewritten`` keys)
 
 
 @dataclass(frozen=True)
 class Item:
     """One thing the policies choose among, whichever rewrite offered it: a shard or an own shard (``key``: its
-    members) or a compaction (its storage), the bytes it moves a step (its run-time cost) and what it changes in the
-    live bytes at each step (the span it frees, the shard or copy it keeps)."""
+    members), a compaction (its storage) or a resize (the forward rewrite's buffers of one key: the FP8 forward
+    gather's), the bytes it moves a step (its run-time cost), what it changes in the live bytes at each step (the span
+    it frees, the shard or copy it keeps) and the names it cannot be taken with (``conflicts``: a compaction's storage's
+    tensors, whose shard frees that storage instead)."""
 
-    kind: str  # SHARD, OWN_SHARD (its shard is a forward input: nothing kept) or COMPACTION
+    kind: str  # SHARD, OWN_SHARD (its shard is a forward input: nothing kept), COMPACTION or RESIZE
     key: tuple[str, ...]
     moved_bytes: int
     change: np.ndarray
+    conflicts: frozenset[str] = frozenset()
+
+    def clashes(self, other: Item) -> bool:
+        return bool(self.conflicts.intersection(other.key) or other.conflicts.intersection(self.key))
 
 
-SHARD, OWN_SHARD, COMPACTION = "shard", "own shard", "compaction"
+SHARD, OWN_SHARD, COMPACTION, RESIZE = "shard", "own shard", "compaction", "resize"
 
 
 def _items(model: MemoryModel, buckets: Sequence[Bucket] = (), compactions: Sequence[Compaction] = ()) -> list[Item]:
     """The items of ``buckets``, then of ``compactions``, in order."""
     return ([Item(OWN_SHARD if b.sources else SHARD, b.members, b.nbytes, model.change([b])) for b in buckets]
-            + [Item(COMPACTION, (c.storage,), c.copied_bytes, model.change(compactions=[c])) for c in compactions])
+            + [Item(COMPACTION, (c.storage,), c.copied_bytes, model.change(compactions=[c]),
+                    frozenset(model.lives[c.storage].members)) for c in compactions])
+
+
+def _free(model: MemoryModel) -> tuple[MemoryModel, tuple[str, ...]]:
+    """The model with the resize items every policy takes (those moving no more bytes and holding no more at any step),
+    and their keys: the base the policies weigh the other items on."""
+    items = [Item(RESIZE, (key,), moved, model.resized({key})) for key, moved in model.resize_moved.items()]
+    keys = tuple(i.key[0] for i in items if i.moved_bytes <= 0 and i.change.max() <= 0)
+    return replace(model, rewritten=tuple(r for r in model.rewritten if r[0] in keys)), keys
+
+
+def _instead(items: Sequence[Item], chosen: Sequence[Item]) -> dict[str, str]:
+    """Why each of ``items`` not chosen that clashes with a chosen one is left out, by name."""
+    why = {}
+    for i in items:
+        if not any(i is c for c in chosen) and (hits := [c for c in chosen if i.clashes(c)]):
+            names = sorted({n for c in hits for n in c.key if n in i.conflicts or c.kind == COMPACTION})
+            how = "compacted" if hits[0].kind == COMPACTION else "sharded"
+            why.update((n, f"its storage is {how} instead ({', '.join(names)})") for n in i.key)
+    return why
 
 
 def _raising(items: Sequence[Item], base: np.ndarray) -> set[str]:
@@ -178,9 +207,11 @@ def _undone(compactions: Sequence[Compaction], why: Mapping[str, str]) -> list[C
 
 
 def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int) -> Choice:
-    """Applies the policy to the items of the sound decisions and the compaction options. A tensor whose gather would
-    follow its shard at once is refused. ``all`` takes each item not raising the predicted peak on its own; ``peak``
-    and ``budget`` take items by peak lowered per byte moved."""
+    """Applies the policy to the items of the sound decisions and the compaction options, after the resize items that
+    cost nothing (:func:`_free`). A tensor whose gather would follow its shard at once is refused. ``all`` takes each
+    item, in order, that does not raise the predicted peak on its own nor clash with one taken before it; ``peak`` and
+    ``budget`` take items by peak lowered per byte moved, each leaving out those it clashes with."""
+    model, resized = _free(model)
     candidates = [d for d in sound if d.sharded]
     refused: dict[str, str] = {}
     notes: list[str] = []
@@ -192,35 +223,39 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
             refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
     candidates = [d for d in candidates if d.name not in refused]
     single_of = {b.members[0]: b for b in singles}
-    compactions = _compaction_options(model, sound, options)
+    compactions = _compaction_options(model, options)
     eligible = [c for c in compactions if c.compacted]
-    items = _items(model, [single_of[d.name] for d in candidates])
+    shards, copies = _items(model, [single_of[d.name] for d in candidates]), _items(model, compactions=eligible)
     if options.policy == "all":  # each item on its own: none that raises the predicted peak
-        raising = _raising(items + _items(model, compactions=eligible), model.live_bytes())
-        compactions = _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
+        raising, chosen = _raising(shards + copies, model.live_bytes()), []
+        for i in shards + copies:
+            if not raising.intersection(i.key) and not any(i.clashes(c) for c in chosen):
+                chosen.append(i)
+        compactions = _undone(compactions, {**dict.fromkeys(raising, COPY_RAISES), **_instead(copies, chosen)})
         refused.update((d.name, RAISES) for d in candidates if d.name in raising)
         candidates = [d for d in candidates if d.name not in refused]
     else:  # the item lowering the peak most per byte moved, until it stops falling or meets the budget's target
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
-        base, items = model.live_bytes(), _items(model, compactions=eligible) + items  # the first of equal gains
+        base, items = model.live_bytes(), copies + shards  # the first of equal gains
         chosen, live = _greedy(items, base, target)
         lowest, names = int(live.max()), {n for i in chosen for n in i.key}
         taken = {i.key[0] for i in chosen if i.kind == COMPACTION}
-        met = target is not None and lowest <= target
-        refused.update((d.name, LOWERS_NOTHING if not met else NOT_NEEDED) for d in candidates if d.name not in names)
+        met, instead = target is not None and lowest <= target, _instead(items, chosen)
+        refused.update((d.name, instead.get(d.name, LOWERS_NOTHING if not met else NOT_NEEDED)) for d in candidates
+                       if d.name not in names)
         traffic = {"moved_bytes": sum(i.moved_bytes for i in chosen),
                    "lower_bound_bytes": least_traffic(base, target, items) if target is not None else None}
-        if target is not None and not met:  # the best reachable: every sound shard and eligible compaction
-            names = {d.name for d in candidates}
-            every = [b for b in singles if b.members[0] in names]
-            best = int((model.live_bytes() + model.change(every, eligible)).max())
+        if target is not None and not met:  # the best reachable: every sound shard and the compactions beside them
+            every = shards + [i for i in copies if not any(i.clashes(s) for s in shards)]
+            best = int((base + sum(i.change for i in every)).max())
             if best < lowest:  # closer than the greedy got (no single item lowered the peak alone): take all
-                taken, lowest, met = {c.storage for c in eligible}, best, best <= target
+                lowest, met, instead = best, best <= target, _instead(items, every)
+                taken = {i.key[0] for i in every if i.kind == COMPACTION}
                 for d in candidates:
                     refused.pop(d.name, None)
-                traffic = {**traffic, "moved_bytes": sum(i.moved_bytes for i in items)}
-        compactions = _undone(compactions, {c.storage: NOT_NEEDED if met else LOWERS_NOTHING for c in compactions
-                                            if c.storage not in taken})
+                traffic = {**traffic, "moved_bytes": sum(i.moved_bytes for i in every)}
+        compactions = _undone(compactions, {c.storage: instead.get(c.storage, NOT_NEEDED if met else LOWERS_NOTHING)
+                                            for c in compactions if c.storage not in taken})
         if target is not None:
             notes.append(_budget_note(options.budget_bytes, target, model.evaluate([]).peak_bytes, lowest))
             if not met:
@@ -236,7 +271,8 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
         final, compactions, buckets = _never_worse(final, compactions, buckets, model, options, sched,
                                                    lower=options.policy == "peak")
     compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, buckets, model)]
-    return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None)
+    return Choice(final, buckets, compactions, notes, warnings, traffic if options.policy == "budget" else None,
+                  resized)
 
 
 class LayoutError(RuntimeError):
@@ -251,6 +287,7 @@ def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptio
     """The agreed layout realized here: exactly ``buckets`` sharded by shard ops ``ops``, plus local compactions that do
     not raise the peak. Raises :class:`LayoutError` where a member is not sound here or the order differs; warns where
     it raises this program's peak."""
+    model, resized = _free(model)
     by_name = {d.name: d for d in sound}
     members = [n for b in buckets for n in b]
     missing = [n for n in members if n not in by_name or not by_name[n].sharded]
@@ -265,16 +302,18 @@ def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptio
     firsts = [b.first_use for b in placed]
     if firsts != sorted(firsts):
         raise LayoutError("the agreed buckets are used in another order in this program's backward")
-    compactions = _compaction_options(model, final, options)  # those not raising the peak on their own
-    raising = _raising(_items(model, compactions=[c for c in compactions if c.compacted]), model.live_bytes())
-    compactions = _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
+    compactions = _compaction_options(model, options)  # those not raising the peak on their own nor clashing
+    copies = _items(model, compactions=[c for c in compactions if c.compacted])
+    raising = _raising(copies, model.live_bytes())
+    compactions = _undone(compactions, {**dict.fromkeys(raising, COPY_RAISES),
+                                        **_instead(copies, _items(model, placed))})
     compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, placed, model)]
     warnings = []
     taken = [c for c in compactions if c.compacted]
     if model.live_bytes(placed, taken).max() > model.live_bytes().max():
         warnings.append("the model's agreed layout raises this program's predicted peak (its shapes are this rank's "
                         "own); the ranks' collectives must stay the same, so it is kept")
-    return Choice(final, placed, compactions, list(warnings), warnings)
+    return Choice(final, placed, compactions, list(warnings), warnings, resized=resized)
 
 
 def _budget_note(budget: int, target: int, before: int, lowest: int) -> str:
@@ -297,19 +336,15 @@ def budget_target(budget_bytes: int) -> int:
     return budget_bytes - math.ceil(BUDGET_MARGIN * budget_bytes)
 
 
-def _compaction_options(model: MemoryModel, sound: list[Decision], options: ShardOptions) -> list[Compaction]:
+def _compaction_options(model: MemoryModel, options: ShardOptions) -> list[Compaction]:
     """The model's compaction options freeing at least ``min_bytes``, each taken where allowed (``compact="auto"``, it
-    frees at least what it copies, no tensor of its storage is a candidate), else with the reason."""
-    sharding = {d.name for d in sound if d.sharded}
+    frees at least what it copies), else with the reason."""
     out = []
     for c in model.compactions:
         if c.freed_bytes < options.min_bytes:
             continue
-        shared = sorted(sharding.intersection(model.lives[c.storage].members))
         if options.compact == "off":
             why = "compact='off'"
-        elif shared:
-            why = f"its storage is sharded instead ({', '.join(shared)})"
         elif c.freed_bytes < c.copied_bytes:
             why = f"it would free {c.freed_bytes:,} B, fewer than the {c.copied_bytes:,} B it copies a step"
         else:
@@ -399,6 +434,7 @@ def _greedy(items: Sequence[Item], base: np.ndarray, target: int | None) -> tupl
             break
         taken.append(remaining.pop(best))
         current = current + taken[-1].change
+        remaining = [i for i in remaining if not i.clashes(taken[-1])]
     return taken, current
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from thunder.core import dtypes
@@ -352,29 +352,46 @@ class ForwardGatherPlan:
     world_size: int = 1
     rank: int = 0
 
+    def chosen(self, weights: Collection[str]) -> ForwardGatherPlan:
+        """The plan with only the eligible sites of ``weights`` (the planner's choice) gathered in FP8."""
+        return dataclasses.replace(self, sites=tuple(s if s.why is None and s.shard.name in weights else
+                                                     dataclasses.replace(s, why=NOT_CHOSEN) for s in self.sites),
+                                   rows=tuple(r if not r.fp8 or r.weight in weights else _bf16(r, NOT_CHOSEN)
+                                              for r in self.rows))
+
     @property
     def calls_replaced(self) -> int:
         """Thunder's run-time calls the rewrite removes from a forward: the all-gather, its wait, the linear and a
         slice where there is one, for each eligible weight."""
         return sum(3 + (s.slice is not None) for s in self.sites if s.why is None)
 
-    def buffer_nbytes(self) -> dict[str, int]:
-        """Bytes each FP8-gathered weight's buffer holds from its all-gather to its linear (gathered uint8 rows
-    plus this rank's cast rows), by its proxies' names, where the trace prints a bf16 buffer; for the memory
-    model."""
-        sizes = {}
+    def resized(self) -> dict[str, tuple[int, dict[str, int]]]:
+        """The resize items it offers, by weight: what each changes in the bytes this rank receives, and the bytes its
+        buffer holds from its all-gather to its linear (gathered uint8 rows plus this rank's cast rows) by its
+        proxies' names, where the trace prints a bf16 buffer."""
+        rows = {r.weight: r for r in self.rows}
+        items = {}
         for s in self.sites:
             if s.why is None:
-                rows, cols = int(s.shard.shape[0]), int(s.shard.shape[1])
-                nbytes = rows * self.world_size * cols + rows * cols
-                for p in (*s.gather.flat_proxy_outs, *s.wait.flat_proxy_outs):
-                    sizes[p.name] = nbytes
-        return sizes
+                n, cols = int(s.shard.shape[0]), int(s.shard.shape[1])
+                nbytes = n * self.world_size * cols + n * cols
+                row = rows[s.shard.name]
+                items[s.shard.name] = (row.received_bytes_after - row.received_bytes_before,
+                                       {p.name: nbytes for p in (*s.gather.flat_proxy_outs, *s.wait.flat_proxy_outs)})
+        return items
 
     def apply(self, fw: TraceCtx, provenance: str = "ShardIntermediates: fp8_forward_gather") -> TraceCtx:
         n = sum(s.why is None for s in self.sites)
         return rewrite(fw, self.sites, group=self.group, world_size=self.world_size, rank=self.rank,
                        provenance=f"{provenance}: {n} TE linear weight(s) all-gathered in FP8")
+
+
+NOT_CHOSEN = "eligible, not chosen by the planner"
+
+
+def _bf16(row: ForwardGather, why: str) -> ForwardGather:
+    return dataclasses.replace(row, fp8=False, reason=why, received_bytes_after=row.received_bytes_before,
+                               cast_elements_after=row.cast_elements_before)
 
 
 def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, group, world_size: int,
@@ -406,24 +423,27 @@ def sites(program: Program) -> ForwardGatherPlan:
 
 
 def effect(program: Program, effect: Effect) -> Effect:
-    return dataclasses.replace(effect, resized=program.sites["forward_gather"].buffer_nbytes())
+    return dataclasses.replace(effect, resized=program.sites["forward_gather"].resized())
+
+
+def _chosen(program: Program) -> ForwardGatherPlan:
+    """The sites as the planner chose among their resize items."""
+    return program.sites["forward_gather"].chosen(program.choice.resized)
 
 
 def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
-    gathers = program.sites["forward_gather"]
-    return {"forward_gather": tuple(gathers.rows)}, ()
+    return {"forward_gather": _chosen(program).rows}, ()
 
 
 def apply(program: Program, shard_plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
     forward = rewritten.forward  # the saved list is unchanged
-    return Rewritten(dataclasses.replace(forward, trace=program.sites["forward_gather"].apply(forward.trace)),
-                     rewritten.backward)
+    return Rewritten(dataclasses.replace(forward, trace=_chosen(program).apply(forward.trace)), rewritten.backward)
 
 
 def count(program: Program, fw: TraceCtx) -> tuple[dict[str, int], dict]:
     """The rewritten forward's calls of this feature's operators, and the plan's (Thunder's calls they replace,
     theirs)."""
-    gathers = program.sites["forward_gather"]
+    gathers = _chosen(program)
     if not gathers.sites:
         return {}, {"forward_gather_calls": (0, 0)}
     calls = operator_calls(fw)

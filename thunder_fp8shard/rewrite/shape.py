@@ -15,14 +15,14 @@ from thunder.core.trace import TraceCtx
 from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.options import ShardOptions
 from thunder_fp8shard.plan import Compaction, ShardPlan
-from thunder_fp8shard.planning.planner import Analysis
+from thunder_fp8shard.planning.planner import Analysis, Choice
 from thunder_fp8shard.rewrite.traces import ForwardRewrite
 
 
 @dataclass(frozen=True)
 class Program:
     """One program as the rewrites see it: its facts and setup, then the sites found so far, then the analysis as the
-    ranks agreed it, the planner's inputs and the rank-local choice of shards (``chooser``)."""
+    ranks agreed it, the planner's inputs and its one choice among every rewrite's items (``choice``)."""
 
     facts: ProgramFacts
     options: ShardOptions
@@ -36,7 +36,7 @@ class Program:
     sites: Mapping[str, Any] = field(default_factory=dict)  # by rewrite name
     analysis: Analysis | None = None
     agreed: tuple = ()
-    chooser: Callable | None = None
+    choice: Choice | None = None
 
     def found(self, name: str, sites) -> Program:
         return replace(self, sites={**self.sites, name: sites})
@@ -48,7 +48,8 @@ class Effect:
 
     candidates: tuple = ()
     sources: Mapping[str, str] = field(default_factory=dict)  # candidate -> the forward input that is its shard
-    resized: Mapping[str, int] = field(default_factory=dict)  # storages the forward rewrite resizes
+    # the forward rewrite's resize items, by key: the bytes moved they change, the new bytes of the proxies they resize
+    resized: Mapping[str, tuple[int, Mapping[str, int]]] = field(default_factory=dict)
     compactions: tuple[Compaction, ...] = ()
 
 

@@ -27,8 +27,7 @@ def effect(program: Program, effect: Effect) -> Effect:
 
 
 def decide(program: Program) -> tuple[dict, tuple[str, ...]]:
-    fields, warnings = make_plan(program.analysis, program.options, program.k, program.agreed, chooser=program.chooser)
-    return fields, tuple(warnings)
+    return make_plan(program.analysis, program.options, program.choice, program.agreed), ()
 
 
 def apply(program: Program, plan: ShardPlan, rewritten: Rewritten) -> Rewritten:
