@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, WAIT
 from thunder_fp8shard.rewrite import collective_schedule as cs
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
@@ -27,7 +28,7 @@ def test_the_schedules_move_only_the_order_of_fsdps_collectives(fsdp_traces):
     # Thunder's order: every all-gather before the first compute, every reduce-scatter after the last matmul
     assert max(_positions(fw, ALL_GATHER)) < _names(fw).index("abs")
     assert min(_positions(bw, REDUCE_SCATTER)) > max(_positions(bw, "matmul"))
-    new_fw, new_bw = cs.schedule_forward(fw, prefetch=1), cs.schedule_backward(bw)
+    new_fw, new_bw = cs.schedule_forward(program_facts(fw, bw), prefetch=1), cs.schedule_backward(bw)
     assert new_fw is not None and new_bw is not None
     for old, new in ((fw, new_fw), (bw, new_bw)):
         assert sorted(_names(new)) == sorted(_names(old))  # the same bound symbols, dels made again

@@ -123,8 +123,19 @@ def forward(weights, *, n=2, group=GROUP, pad=None, extra_use=False, save_weight
     return trace, shards
 
 
+def _facts(trace, bw=None):
+    """The program's facts, with a backward that only returns where the test has none."""
+    from thunder_fp8shard.analysis.program import program_facts
+
+    if bw is None:
+        bw = TraceCtx()
+        with tracectx(bw):
+            prims.python_return(None)
+    return program_facts(trace, bw, set())
+
+
 def _sites(trace, bw=None, *, n=2, recipe_problem=None, default=None, group=GROUP):
-    return fp8_gather.find_sites(trace, bw, group=group, world_size=n, default_world_size=default or n,
+    return fp8_gather.find_sites(_facts(trace, bw), group=group, world_size=n, default_world_size=default or n,
                                  recipe_problem=recipe_problem)
 
 
@@ -177,7 +188,7 @@ def test_refused_recipe_recompute_world_and_one_rank():
     assert "FSDP's group has 2 ranks" in _sites(trace, default=4)[0].why
     bw, _ = forward([(64, 32)])  # any TE linear forward in the backward: activation checkpointing
     assert "recomputed in the backward" in _sites(trace, bw)[0].why
-    assert "one rank" in fp8_gather.find_sites(trace, None, group=GROUP, world_size=1, default_world_size=1,
+    assert "one rank" in fp8_gather.find_sites(_facts(trace), group=GROUP, world_size=1, default_world_size=1,
                                                recipe_problem=None)[0].why
 
 
@@ -275,7 +286,7 @@ def test_run_time_calls_per_weight_fewer_than_thunders(padded):
     class DelayedScaling:
         reduce_amax = True
 
-    fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
+    fg = fp8_gather.plan(_facts(trace), enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
                          recipe=DelayedScaling(), default_world_size=n, rank=0)
     new = fg.apply(trace)
     calls = fp8_gather.operator_calls(new)
@@ -296,9 +307,9 @@ def test_spec_refuses_impossible_row_counts():
 
 def test_plan_is_off_by_default_and_a_no_op_outside_thunder_fsdp():
     trace, _ = forward([(64, 32)])
-    off = fp8_gather.plan(trace, None, enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2)
+    off = fp8_gather.plan(_facts(trace), enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2)
     assert off.sites == () and off.rows == () and off.apply(trace) is trace
-    ddp = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder DDP", group=GROUP, world_size=2)
+    ddp = fp8_gather.plan(_facts(trace), enabled=True, setup_name="Thunder DDP", group=GROUP, world_size=2)
     assert ddp.sites == () and ddp.rows == ()  # silent where it does not apply
 
 
@@ -308,7 +319,7 @@ def test_plan_rows_bytes_and_text():
     class DelayedScaling:
         reduce_amax = True
 
-    fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2,
+    fg = fp8_gather.plan(_facts(trace), enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=2,
                          recipe=DelayedScaling(), default_world_size=2, rank=1)
     assert [r.fp8 for r in fg.rows] == [True, True]
     plan = ShardPlan.of(world_size=2, method="slice", policy="all", prefetch=1, decisions=[], saved_bytes_before=0,
@@ -325,10 +336,6 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
     """Each weight gathered in FP8 holds, from its all-gather to its linear, the uint8 gathered rows and this rank's
     cast rows (1 B an element) where the trace prints the bf16 gather: the model counts that in every evaluation but
     the program as Thunder made it (the run without the pass); a weight left in bf16 keeps its size."""
-    from thunder.core import prims
-    from thunder.core.trace import TraceCtx, tracectx
-
-    from thunder_fp8shard.analysis.program import program_facts
     from thunder_fp8shard.memory.model import memory_model
     from thunder_fp8shard.options import ShardOptions
     from thunder_fp8shard.planning.planner import choose
@@ -338,7 +345,7 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
 
     n = 2
     trace, _ = forward([(64, 32), (48, 64), (39, 16)], n=n)  # the third padded: 2 x 20 rows gathered, 39 kept
-    fg = fp8_gather.plan(trace, None, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
+    fg = fp8_gather.plan(_facts(trace), enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n,
                          recipe=DelayedScaling(), default_world_size=n, rank=0)
     items = fg.resized()  # the resize items it offers the planner, by weight
     sizes = {name: nbytes for _, new in items.values() for name, nbytes in new.items()}
@@ -348,10 +355,7 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
         "w_full2": rows[2] * n * 16 + rows[2] * 16}
     assert [moved for moved, _ in items.values()] == [r.received_bytes_after - r.received_bytes_before
                                                       for r in fg.rows] and all(m < 0 for m, _ in items.values())
-    bw = TraceCtx()
-    with tracectx(bw):
-        prims.python_return(None)
-    facts = program_facts(trace, bw, set())
+    facts = _facts(trace)
     model = memory_model(facts, [], resized=items)
     bf16 = {name: facts.lives[name].nbytes for name in ("w_full0", "w_full1", "w_full2")}
     assert bf16 == {"w_full0": 64 * 32 * 2, "w_full1": 48 * 64 * 2, "w_full2": 40 * 16 * 2}
@@ -369,7 +373,7 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
     assert one.rows[1].received_bytes_after == one.rows[1].received_bytes_before
     assert "1 TE linear weight(s) all-gathered in FP8" in str(one.apply(trace).get_provenance())
     # a weight left in bf16 (here every one: the option off) keeps its size
-    off = fp8_gather.plan(trace, None, enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n)
+    off = fp8_gather.plan(_facts(trace), enabled=False, setup_name="Thunder FSDP (ZeRO-3)", group=GROUP, world_size=n)
     assert off.resized() == {} and memory_model(facts, [], resized={}).rewritten == ()
 
 
@@ -412,8 +416,9 @@ def test_simulated_n8_llama_shapes_forward_gather_bytes():
 
 def test_a_real_fsdp_trace_without_te_is_left_alone(fsdp_traces):
     fw, bw, group = fsdp_traces
-    assert fp8_gather.find_sites(fw, bw, group=group, world_size=2, default_world_size=2, recipe_problem=None) == []
-    fg = fp8_gather.plan(fw, bw, enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=group, world_size=2,
+    assert fp8_gather.find_sites(_facts(fw, bw), group=group, world_size=2, default_world_size=2,
+                                 recipe_problem=None) == []
+    fg = fp8_gather.plan(_facts(fw, bw), enabled=True, setup_name="Thunder FSDP (ZeRO-3)", group=group, world_size=2,
                          default_world_size=2, rank=0)
     assert fg.sites == () and fg.apply(fw) is fw
 
@@ -482,7 +487,7 @@ def test_rewritten_trace_runs_with_the_bf16_fallback(single_rank_group):
             h, qa, qw = _run_syms["update"](r, states=(s,), tokens=(y, qa, qw))
             saved += [qa, qw]
         prims.python_return(h, (tuple(saved), (r,)))
-    sites = fp8_gather.find_sites(trace, None, group=single_rank_group, world_size=1, default_world_size=1,
+    sites = fp8_gather.find_sites(_facts(trace), group=single_rank_group, world_size=1, default_world_size=1,
                                   recipe_problem=None)
     assert [s.why[:8] for s in sites] == ["one rank"] * 2
     new = fp8_gather.rewrite(trace, [dataclasses.replace(s, why=None) for s in sites], group=single_rank_group,

@@ -4,15 +4,14 @@ each applies its own conditions."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.liveness import readers
 from thunder_fp8shard.analysis.names import ALL_GATHER, SLICE, WAIT
-from thunder_fp8shard.analysis.saved import body_without_dels
 
 
 @dataclass(frozen=True)
@@ -59,9 +58,9 @@ class Gather:
         return self.handle_users == (self.wait,)
 
 
-def forward_gathers(fw: TraceCtx) -> tuple[Gather, ...]:
-    """Every all-gather of ``fw`` whose handle is waited for, in trace order."""
-    body = body_without_dels(fw)
+def forward_gathers(body: Sequence[BoundSymbol]) -> tuple[Gather, ...]:
+    """Every all-gather of a forward's ``body`` (without its dels: ``ProgramFacts.body``) whose handle is waited for,
+    in trace order."""
     read = readers(body)
     position = {id(b): i for i, b in enumerate(body)}
     out = []

@@ -7,9 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from thunder.core.proxies import TensorProxy
-from thunder.core.trace import TraceCtx
-
-from thunder_fp8shard.analysis.fsdp_gathers import forward_gathers
+from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.saved import tensor_nbytes
 
 
@@ -23,18 +21,18 @@ def group_ranks(group) -> tuple[int, ...] | None:
         return None
 
 
-def own_shards(fw: TraceCtx, candidates: Iterable[str], inputs: Iterable[TensorProxy], *, ranks: tuple[int, ...],
-               group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
+def own_shards(facts: ProgramFacts, candidates: Iterable[str], inputs: Iterable[TensorProxy], *,
+               ranks: tuple[int, ...], group_ranks=group_ranks) -> Mapping[str, TensorProxy]:
     """Each candidate that is ``wait(all_gather(input))`` (a gather chain,
     :func:`~thunder_fp8shard.analysis.fsdp_gathers.forward_gathers`) over ``ranks``, along dim 0, of exactly
     ``len(ranks)`` times the input's bytes, with an unwritten input: the candidate -> that input (each input serves one
     candidate)."""
     wanted = set(candidates)
     by_name = {p.name: p for p in inputs}
-    written = _written(fw)
+    written = _written(facts.forward)
     out: dict[str, TensorProxy] = {}
     taken: set[str] = set()
-    for g in sorted(forward_gathers(fw), key=lambda g: g.wait_at):
+    for g in sorted(facts.gathers, key=lambda g: g.wait_at):
         src, result = g.shard, g.gathered
         if (isinstance(src, TensorProxy) and src.name in by_name and src.name not in written and g.dim in (None, 0)
                 and result.name in wanted and src.name not in taken and result.dtype == src.dtype

@@ -9,13 +9,15 @@ from dataclasses import dataclass
 
 import networkx as nx
 from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.candidates import payload_nbytes, te_quantized_names
 from thunder_fp8shard.analysis.liveness import (
     Life, Step, forward_return, joint_graph, program_steps, storage_lives, storage_of,
 )
-from thunder_fp8shard.analysis.saved import forward_inputs, forward_saved, model_io_names
+from thunder_fp8shard.analysis.fsdp_gathers import Gather, forward_gathers
+from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs, forward_saved, model_io_names
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class ProgramFacts:
     def inputs(self) -> tuple[TensorProxy, ...]:
         """The forward's tensor inputs (parameters, the batch), in order."""
         return tuple(p for p in self.args if isinstance(p, TensorProxy))
+
+    @functools.cached_property
+    def body(self) -> tuple[BoundSymbol, ...]:
+        """The forward's bound symbols without its dels."""
+        return tuple(body_without_dels(self.forward))
+
+    @functools.cached_property
+    def gathers(self) -> tuple[Gather, ...]:
+        """Thunder FSDP's gather chains in the forward, found once (:mod:`~thunder_fp8shard.analysis.fsdp_gathers`)."""
+        return forward_gathers(self.body)
 
     @functools.cached_property
     def life_of(self) -> dict[str, Life]:

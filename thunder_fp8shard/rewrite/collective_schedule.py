@@ -10,15 +10,16 @@ bound symbols changes; the pipeline keeps the result where the predicted peak is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
-from thunder_fp8shard.analysis.fsdp_gathers import forward_gathers
 from thunder_fp8shard.analysis.liveness import readers
 from thunder_fp8shard.analysis.names import DIVIDE, REDUCE_SCATTER, WAIT
-from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
+from thunder_fp8shard.analysis.program import ProgramFacts
+from thunder_fp8shard.analysis.saved import body_without_dels
 from thunder_fp8shard.format import fmt_bytes
 from thunder_fp8shard.plan import ShardPlan
 from thunder_fp8shard.rewrite.shape import Program, Rewrite
@@ -41,16 +42,18 @@ def _outs(b: BoundSymbol) -> list[str]:
     return [p.name for p in b.flat_proxy_outs]
 
 
-def gathered(fw: TraceCtx, inputs: frozenset[str]) -> list[Gathered]:
+def gathered(facts: ProgramFacts) -> list[Gathered]:
     """The forward's all-gathers of parameter shards whose handle's only use is its wait, with the unpad slice that
     moves with the wait, in order of first use."""
+    inputs = {p.name for p in facts.args}
     return sorted((Gathered(g.gather, (g.wait,) if g.unpad is None else (g.wait, g.unpad), g.first_use, g.at)
-                   for g in forward_gathers(fw)
+                   for g in facts.gathers
                    if getattr(g.shard, "name", None) in inputs and g.waited_alone and g.first_use is not None),
                   key=lambda x: (x.first_use, x.at))
 
 
-def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], provenance: str) -> TraceCtx | None:
+def _reordered(trace: TraceCtx, body: Sequence[BoundSymbol], key: dict[int, tuple], provenance: str
+               ) -> TraceCtx | None:
     """``trace`` with ``body`` sorted by ``key``; None where the order is the same or a value would be used
     before it is made."""
     from thunder.executors.passes import del_last_used
@@ -71,18 +74,17 @@ def _reordered(trace: TraceCtx, body: list[BoundSymbol], key: dict[int, tuple], 
     return out
 
 
-def schedule_forward(fw: TraceCtx, prefetch: int = FORWARD_PREFETCH) -> TraceCtx | None:
-    """``fw`` with each all-gather issued ``prefetch`` all-gathers ahead of its first use and its wait right
-    before that use; None where nothing moves."""
-    body = body_without_dels(fw)
-    found = gathered(fw, frozenset(p.name for p in forward_inputs(fw)))
+def schedule_forward(facts: ProgramFacts, prefetch: int = FORWARD_PREFETCH) -> TraceCtx | None:
+    """The program's forward with each all-gather issued ``prefetch`` all-gathers ahead of its first use and its wait
+    right before that use; None where nothing moves."""
+    body, found = facts.body, gathered(facts)
     key: dict[int, tuple] = {id(b): (i, 0, 0) for i, b in enumerate(body)}  # (position, rank, tie)
     for j, x in enumerate(found):
         for k, b in enumerate(x.chain):
             key[id(b)] = (x.first_use, -1, k)  # right before the first use
         if j >= prefetch:  # right before the chain of the one `prefetch` earlier
             key[id(x.gather)] = (found[j - prefetch].first_use, -2, j)
-    return _reordered(fw, body, key, f"ShardIntermediates(reschedule): {max(0, len(found) - prefetch)} of "
+    return _reordered(facts.forward, body, key, f"ShardIntermediates(reschedule): {max(0, len(found) - prefetch)} of "
                                      f"{len(found)} forward all-gathers issued {prefetch} ahead of their use")
 
 
@@ -125,7 +127,7 @@ def variant(program: Program) -> tuple[TraceCtx, TraceCtx] | None:
     or this is a variant already)."""
     if not program.options.reschedule or program.variant:
         return None
-    fw, bw = schedule_forward(program.facts.forward), schedule_backward(program.facts.backward)
+    fw, bw = schedule_forward(program.facts), schedule_backward(program.facts.backward)
     if fw is None and bw is None:
         return None
     return fw or program.facts.forward, bw or program.facts.backward

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 
 from thunder.core import dtypes
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_fp8shard.analysis.fsdp_gathers import Gather, forward_gathers
+from thunder_fp8shard.analysis.fsdp_gathers import Gather
 from thunder_fp8shard.analysis.liveness import readers
 from thunder_fp8shard.analysis.names import (
     ALL_GATHER, TE_LINEAR_FWD, TE_QUANTIZERS, TE_RECIPE, TE_SCALE_UPDATE, TE_STATE,
 )
+from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs
 from thunder_fp8shard.runtime import fp8_gather_ops as gops
 from thunder_fp8shard.plan import ForwardGather, ShardPlan
@@ -58,10 +59,9 @@ class _Forward:
     inputs: frozenset[str]
 
 
-def _forward(fw: TraceCtx) -> _Forward:
-    body = body_without_dels(fw)
-    return _Forward(body, {id(b): i for i, b in enumerate(body)}, {o.name: b for b in body for o in b.flat_proxy_outs},
-                    frozenset(p.name for p in forward_inputs(fw)))
+def _forward(body: Sequence[BoundSymbol], inputs: Sequence[Proxy]) -> _Forward:
+    return _Forward(list(body), {id(b): i for i, b in enumerate(body)},
+                    {o.name: b for b in body for o in b.flat_proxy_outs}, frozenset(p.name for p in inputs))
 
 
 def _is_row_slice(b: BoundSymbol, src: TensorProxy, dst: TensorProxy) -> bool:
@@ -76,15 +76,15 @@ def _is_row_slice(b: BoundSymbol, src: TensorProxy, dst: TensorProxy) -> bool:
             and 0 < end[0] <= shape[0] and list(dst.shape) == [end[0], *shape[1:]])
 
 
-def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, default_world_size: int,
+def find_sites(facts: ProgramFacts, *, group, world_size: int, default_world_size: int,
                recipe_problem: str | None) -> list[Site]:
-    """Every TE linear forward of ``fw`` whose weight is a forward all-gather's, with the first reason it
-    cannot be gathered in FP8 (None: it can)."""
-    f = _forward(fw)
+    """Every TE linear forward of the program's forward whose weight is a forward all-gather's, with the first reason
+    it cannot be gathered in FP8 (None: it can)."""
+    f = _forward(facts.body, facts.args)
     body, producer, inputs, position = f.body, f.producer, f.inputs, f.index
     uses = {name: [body[i] for i in at] for name, at in readers(body).items()}
-    returned = {p.name for b in fw.bound_symbols if b.sym.id == PrimIDs.RETURN for p in b.flat_proxy_args}
-    recomputed = bw is not None and any(b.sym.name.startswith(TE_LINEAR_FWD) for b in bw.bound_symbols)
+    returned = {p.name for b in facts.forward.bound_symbols if b.sym.id == PrimIDs.RETURN for p in b.flat_proxy_args}
+    recomputed = any(b.sym.name.startswith(TE_LINEAR_FWD) for b in facts.backward.bound_symbols)
     first_update, last_update = {}, {}  # proxy -> its first and last scale update
     for i, b in enumerate(body):
         if b.sym.name.startswith(TE_SCALE_UPDATE):
@@ -92,7 +92,7 @@ def find_sites(fw: TraceCtx, bw: TraceCtx | None, *, group, world_size: int, def
                 first_update.setdefault(p.name, i)
                 last_update[p.name] = i
     chains: dict[str, tuple[Gather, BoundSymbol | None]] = {}  # weight -> its gather and the slice making it
-    for g in forward_gathers(fw):
+    for g in facts.gathers:
         chains.setdefault(g.gathered.name, (g, None))
         for sl in g.slices:
             chains.setdefault(sl.output.name, (g, sl))
@@ -234,12 +234,10 @@ def _getters(site: Site, producer: dict[str, BoundSymbol], inputs: set[str]) -> 
     return out
 
 
-def batches(fw: TraceCtx, sites: Sequence[Site], forward: _Forward | None = None
-            ) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
+def batches(f: _Forward, sites: Sequence[Site]) -> list[tuple[int, list[Site], list[BoundSymbol]]]:
     """Where the eligible sites' starts go, as ``(index, sites, getters)``: one call per run of adjacent
     forward all-gathers, after its last one, preceded by the quantizer getters it needs, moved up (TE's getters take
     no tensor, and creating a state does not depend on when). Other sites start alone."""
-    f = forward or _forward(fw)
     body, index, producer, inputs = f.body, f.index, f.producer, f.inputs
     chosen = sorted((s for s in sites if s.why is None), key=lambda s: index[id(s.gather)])
     passable = {ALL_GATHER}
@@ -280,8 +278,8 @@ def rewrite(fw: TraceCtx, sites: Sequence[Site], *, group, world_size: int, rank
     ``fw`` is not modified."""
     from thunder.executors.passes import del_last_used
 
-    f = _forward(fw)
-    plan = batches(fw, sites, f)
+    f = _forward(body_without_dels(fw), forward_inputs(fw))  # the forward as rewritten so far
+    plan = batches(f, sites)
     if not plan:
         return fw
     body, index = f.body, f.index
@@ -354,10 +352,9 @@ class ForwardGatherPlan:
 
     def chosen(self, weights: Collection[str]) -> ForwardGatherPlan:
         """The plan with only the eligible sites of ``weights`` (the planner's choice) gathered in FP8."""
-        return dataclasses.replace(self, sites=tuple(s if s.why is None and s.shard.name in weights else
-                                                     dataclasses.replace(s, why=NOT_CHOSEN) for s in self.sites),
-                                   rows=tuple(r if not r.fp8 or r.weight in weights else _bf16(r, NOT_CHOSEN)
-                                              for r in self.rows))
+        sites = tuple(s if s.why is None and s.shard.name in weights else
+                      dataclasses.replace(s, why=s.why or NOT_CHOSEN) for s in self.sites)
+        return dataclasses.replace(self, sites=sites, rows=tuple(decisions(sites, self.world_size)))
 
     @property
     def calls_replaced(self) -> int:
@@ -369,16 +366,11 @@ class ForwardGatherPlan:
         """The resize items it offers, by weight: what each changes in the bytes this rank receives, and the bytes its
         buffer holds from its all-gather to its linear (gathered uint8 rows plus this rank's cast rows) by its
         proxies' names, where the trace prints a bf16 buffer."""
-        rows = {r.weight: r for r in self.rows}
-        items = {}
-        for s in self.sites:
-            if s.why is None:
-                n, cols = int(s.shard.shape[0]), int(s.shard.shape[1])
-                nbytes = n * self.world_size * cols + n * cols
-                row = rows[s.shard.name]
-                items[s.shard.name] = (row.received_bytes_after - row.received_bytes_before,
-                                       {p.name: nbytes for p in (*s.gather.flat_proxy_outs, *s.wait.flat_proxy_outs)})
-        return items
+        moved = {r.weight: r.received_bytes_after - r.received_bytes_before for r in self.rows}
+        return {s.shard.name: (moved[s.shard.name], dict.fromkeys(
+            [p.name for p in (*s.gather.flat_proxy_outs, *s.wait.flat_proxy_outs)],
+            int(s.shard.shape[0]) * (self.world_size + 1) * int(s.shard.shape[1])))
+            for s in self.sites if s.why is None}
 
     def apply(self, fw: TraceCtx, provenance: str = "ShardIntermediates: fp8_forward_gather") -> TraceCtx:
         n = sum(s.why is None for s in self.sites)
@@ -389,12 +381,7 @@ class ForwardGatherPlan:
 NOT_CHOSEN = "eligible, not chosen by the planner"
 
 
-def _bf16(row: ForwardGather, why: str) -> ForwardGather:
-    return dataclasses.replace(row, fp8=False, reason=why, received_bytes_after=row.received_bytes_before,
-                               cast_elements_after=row.cast_elements_before)
-
-
-def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, group, world_size: int,
+def plan(facts: ProgramFacts, *, enabled: bool, setup_name: str | None, group, world_size: int,
          recipe=None, default_world_size: int | None = None, rank: int | None = None) -> ForwardGatherPlan:
     """The forward-gather decisions of one compilation (none where ``enabled`` is False). Arguments left
     None are taken from TE and ``torch.distributed``."""
@@ -408,7 +395,7 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
         default_world_size = dist.get_world_size() if default_world_size is None else default_world_size
         rank = dist.get_rank(group) if rank is None else rank
     recipe = compile_time_recipe() if recipe is None else recipe
-    sites = tuple(find_sites(fw, bw, group=group, world_size=world_size, default_world_size=default_world_size,
+    sites = tuple(find_sites(facts, group=group, world_size=world_size, default_world_size=default_world_size,
                              recipe_problem=gops.exact_recipe(recipe)))
     rows = tuple(decisions(sites, world_size))
     return ForwardGatherPlan(sites, rows, group, world_size, rank)
@@ -416,8 +403,7 @@ def plan(fw: TraceCtx, bw: TraceCtx, *, enabled: bool, setup_name: str | None, g
 
 def sites(program: Program) -> ForwardGatherPlan:
     setup = program.setup
-    return plan(program.facts.forward, program.facts.backward,
-                enabled=program.options.fp8_forward_gather and program.together,
+    return plan(program.facts, enabled=program.options.fp8_forward_gather and program.together,
                 setup_name=setup and setup.name, group=setup and setup.group,
                 world_size=setup.world_size if setup else 1)
 

@@ -18,7 +18,7 @@ def sites(program: Program) -> dict[str, str]:
     facts = program.facts
     inputs = [p for p in facts.inputs if p.name not in facts.saved_names]  # one saved, counted once
     names = [c.name for c in program.sites["shard"]]
-    return {n: p.name for n, p in own_shards(facts.forward, names, inputs, ranks=program.shard_ranks).items()}
+    return {n: p.name for n, p in own_shards(facts, names, inputs, ranks=program.shard_ranks).items()}
 
 
 def effect(program: Program, effect: Effect) -> Effect:
