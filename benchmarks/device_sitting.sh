@@ -34,18 +34,11 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s31 (next): first bring back the calls made again (ops._Again, 1fea74e, reverted in 1beed4f until the GPU module
-# passes on them; `git revert 1beed4f` merges but no longer runs since ops.py's _launch changed: redo it by hand on
-# _copies_on, CPU tests first), then carry .rev/ with `git archive -o .rev/REV.tar REV thunder_fp8shard`, REV the
-# commit before them (one launch a shard op; set REV below). The GPU module beside the build; the FP8 default beside
-# the package without them (launch k); FP8 at seq 8192 (80.6 GB without the pass: an H200 only)
-REV=${REV:-271576b}
-fp8_k() { paired final_fp8_l32_n8_k "{\"without\": null, \"null\": null, \"onelaunch\": {\"revision\": \"$REV\"}, \"default\": {}}" \
-  40 --one-model -- $FLAGS $FP8 --n_layers=32; }
-fp8_8192_a() {
-  while ! grep -q "final_fp8_l32_n8_k rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
-  paired final_fp8_l32_n8_s8192_a "$USER_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32 --block_size=8192
-}
+# s31 (next): the GPU module on the house's fifth pass (one decision over items, facts once) beside the build; the FP8
+# default at 32 layers beside the run without the pass (launch k, the user's arms). Still to come in a later sitting:
+# the calls made again (ops._Again, 1fea74e, reverted in 1beed4f; redo by hand on ops._copies_on, then time it against
+# the package without it, carried as .rev/REV.tar) and FP8 at seq 8192 (80.6 GB without the pass: an H200 only).
+fp8_k() { paired final_fp8_l32_n8_k "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -55,7 +48,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' REV='$REV' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -65,8 +58,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/logs/device.txt" 2>&1
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
-      s31) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k fp8_8192_a
-        rm -f "$R/busy/fp8_8192_a"; echo 3 > "$R/logs/expected" ;;
+      s31) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k; echo 2 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s31"; exit 2 ;;
     esac
     echo started ;;
