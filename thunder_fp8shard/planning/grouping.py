@@ -39,9 +39,8 @@ def place(
         shard_at[op] = max(shard_at.get(op, -1), *(placements[d.name].shard_at for d in buckets[j]))
         until[op] = max(until.get(op, -1), first_uses[j])
         members_of.setdefault(op, []).append(j)
-    offsets = {}
-    for op, js in members_of.items():
-        offsets.update(zip(js, packed_offsets([layouts[j].shard_nbytes for j in js])[0]))
+    offsets = {j: offset for js in members_of.values()
+               for j, offset in zip(js, packed_offsets([layouts[j].shard_nbytes for j in js])[0])}
     return [
         Bucket(
             index=j, members=tuple(d.name for d in b), nbytes=sum(d.nbytes for d in b),
