@@ -24,9 +24,8 @@ def prefetched_by(j: int, prefetch: int) -> int | None:
     return j - prefetch if j >= prefetch else None
 
 
-def place(
-    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
-) -> list[Bucket]:
+def place(buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
+          ) -> list[Bucket]:
     """The :class:`Bucket`\\ s of a grouping (``buckets``: members, in order of first backward use; ``ops[j]``: bucket
     ``j``'s shard op). A shard op runs after its members' last forward use and is held until its last bucket's wait."""
     placements = model.placements
@@ -67,10 +66,8 @@ def _layout(bucket: Sequence[Decision], k: int) -> _Sizes:
     return _Sizes(lay.shard_nbytes, lay.gathered_nbytes)
 
 
-def group(
-    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
-    compactions: Sequence[Compaction] = (),
-) -> list[Bucket]:
+def group(chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
+          compactions: Sequence[Compaction] = ()) -> list[Bucket]:
     """Buckets and shard ops for the chosen tensors; ``bucket_bytes=0``: one tensor a bucket, one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]
