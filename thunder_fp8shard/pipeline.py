@@ -94,8 +94,7 @@ class _Planned:
 
 def _decided(fields: Mapping[str, Any], more: Mapping[str, Any], by: str) -> dict[str, Any]:
     """``fields`` and a rewrite's ``more``: its notes after those before, every other field set once."""
-    twice = set(more).intersection(fields) - {"notes"}
-    if twice:
+    if twice := set(more).intersection(fields) - {"notes"}:
         raise AssertionError(f"rewrite {by!r} decides the plan's {sorted(twice)}, which another decided")
     return {**fields, **more, "notes": (*fields.get("notes", ()), *more.get("notes", ()))}
 
@@ -122,10 +121,9 @@ def analysis_of(program: Program, effect: Effect, device: DeviceMemory | None, e
                          resized=effect.resized, compactions=effect.compactions)
     if extra_terms:
         model = dataclasses.replace(model, terms=(*model.terms, *extra_terms))
-    replication = None
-    if setup is not None:
-        fw = facts.forward
-        replication = replication_analysis(fw, setup.group, setup.replicated_inputs(fw), setup.input_reasons(fw))
+    fw = facts.forward
+    replication = None if setup is None else replication_analysis(fw, setup.group, setup.replicated_inputs(fw),
+                                                                   setup.input_reasons(fw))
     return Analysis(tuple(effect.candidates), model, replication, facts.saved_names, facts.model_io,
                     saved_bytes_by_dtype(facts.saved, facts.te_names), effect.sources)
 

@@ -70,8 +70,7 @@ def forward_gathers(body: Sequence[BoundSymbol]) -> tuple[Gather, ...]:
             continue
         handle_users = tuple(body[i] for i in read.get(outs[0].name, ()))
         wait = next((b for b in handle_users if b.sym.name == WAIT and b.args
-                     and getattr(b.args[0], "name", None) == outs[0].name),
-                    None)
+                     and getattr(b.args[0], "name", None) == outs[0].name), None)
         if wait is None or not isinstance(wait.output, TensorProxy):
             continue
         gathered_users = tuple(body[i] for i in read.get(wait.output.name, ()))

@@ -217,13 +217,8 @@ def view_graph(graph: nx.DiGraph) -> nx.DiGraph:
     return views
 
 
-def storage_lives(
-    fw_trace: TraceCtx,
-    bw_trace: TraceCtx | None,
-    *,
-    nbytes_of: Callable[[Proxy], int] | None = None,
-    graph: nx.DiGraph | None = None,
-) -> dict[str, Life]:
+def storage_lives(fw_trace: TraceCtx, bw_trace: TraceCtx | None, *, nbytes_of: Callable[[Proxy], int] | None = None,
+                  graph: nx.DiGraph | None = None) -> dict[str, Life]:
     """One ``Life`` per storage, by name, in order of allocation; ``nbytes_of`` overrides a storage's size."""
     g = graph if graph is not None else joint_graph(fw_trace, bw_trace)
     nodes = g.nodes
@@ -278,11 +273,8 @@ def life_spans(lives: Iterable[Life]) -> Iterable[tuple[int, int, int]]:
 
 def first_backward(phases: Iterable[str]) -> int:
     """Index of the first ``"backward"`` phase, or their number: the one rule for the backward's start."""
-    n = -1
-    for n, phase in enumerate(phases):
-        if phase == "backward":
-            return n
-    return n + 1
+    phases = list(phases)
+    return phases.index("backward") if "backward" in phases else len(phases)
 
 
 def backward_start(steps: Sequence[Step]) -> int:
@@ -296,9 +288,8 @@ def timeline(lives: Mapping[str, Life], steps: tuple[Step, ...]) -> Timeline:
     return Timeline(tuple(steps), tuple(live), backward_start(steps))
 
 
-def with_sharding(
-    lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedStorages]
-) -> dict[str, Life]:
+def with_sharding(lives: Mapping[str, Life], steps: tuple[Step, ...], groups: Iterable[ShardedStorages]
+                  ) -> dict[str, Life]:
     """The lives after sharding: each group's storages end at ``shard_at``, then its shard, gathered buffer and scratch
     live as the group says. Raises ``ValueError`` for an order the pass cannot produce."""
     out = dict(lives)

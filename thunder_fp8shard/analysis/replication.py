@@ -59,9 +59,8 @@ class Replication:
         return self.per_rank.get(name, "not produced in the forward trace")
 
 
-def analyze_replication(
-    trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset(), input_reasons: Mapping[str, str] | None = None
-) -> Replication:
+def analyze_replication(trace: TraceCtx, group, replicated_inputs: frozenset[str] = frozenset(),
+                        input_reasons: Mapping[str, str] | None = None) -> Replication:
     """Classifies every proxy of ``trace``. The roots are the all-gathers over ``group`` and ``replicated_inputs``;
     other inputs are per-rank, for the reason ``input_reasons`` gives."""
     input_reasons = input_reasons or {}
@@ -108,8 +107,7 @@ def _verdicts(bsym: BoundSymbol, group, origin, waited: set[str]):
     if name.startswith(TE_SCALE_UPDATE):  # passes its tokens through, updating scales as a side effect
         tokens = bsym.kwargs.get("tokens", ())
         return [(o, origin(t)) for o, t in zip(bsym.output, tokens)]
-    problem = _nondeterminism(bsym)
-    if problem is not None:
+    if (problem := _nondeterminism(bsym)) is not None:
         return [(o, problem) for o in outs]
     why = _first_origin(bsym.flat_proxy_args, origin)
     return [(o, why if why is not None else _shaped_by_constants(bsym, o, waited)) for o in outs]

@@ -98,8 +98,7 @@ def _run_gemms(dev: torch.device, with_bias: bool) -> None:
 
 def _release_cublas_workspaces() -> None:
     """Releases PyTorch's cuBLAS workspaces to the caching allocator; the program recreates those it uses."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
+    if (clear := getattr(torch._C, "_cuda_clearCublasWorkspaces", None)) is not None:
         clear()
 
 

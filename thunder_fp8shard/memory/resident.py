@@ -124,11 +124,8 @@ def workspaces_not_forced(device: DeviceMemory | None) -> list[MemoryTerm]:
 
 
 def kernel_workspaces(bw: TraceCtx, bw_start: int) -> MemoryTerm:
-    spans = []
-    for j, bsym in enumerate(bw.bound_symbols):
-        if bsym.sym.name in SDPA_BACKWARD:
-            first = next(p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy))
-            spans.append((bw_start + j, bw_start + j, 4 * numel(first)))
+    spans = [(bw_start + j, bw_start + j, 4 * numel(next(p for p in b.flat_proxy_args if isinstance(p, TensorProxy))))
+             for j, b in enumerate(bw.bound_symbols) if b.sym.name in SDPA_BACKWARD]
     return MemoryTerm("kernel workspaces", MODELLED, "sdpa backward: an fp32 accumulator of its output gradient's "
                       f"shape ({len(spans)} call(s))", tuple(spans))
 

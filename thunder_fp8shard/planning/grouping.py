@@ -24,9 +24,8 @@ def prefetched_by(j: int, prefetch: int) -> int | None:
     return j - prefetch if j >= prefetch else None
 
 
-def place(
-    buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
-) -> list[Bucket]:
+def place(buckets: Sequence[Sequence[Decision]], ops: Sequence[int], model: MemoryModel, *, prefetch: int, k: int
+          ) -> list[Bucket]:
     """The :class:`Bucket`\\ s of a grouping (``buckets``: members, in order of first backward use; ``ops[j]``: bucket
     ``j``'s shard op). A shard op runs after its members' last forward use and is held until its last bucket's wait."""
     placements = model.placements
@@ -39,9 +38,8 @@ def place(
         shard_at[op] = max(shard_at.get(op, -1), *(placements[d.name].shard_at for d in buckets[j]))
         until[op] = max(until.get(op, -1), first_uses[j])
         members_of.setdefault(op, []).append(j)
-    offsets = {}
-    for op, js in members_of.items():
-        offsets.update(zip(js, packed_offsets([layouts[j].shard_nbytes for j in js])[0]))
+    offsets = {j: offset for js in members_of.values()
+               for j, offset in zip(js, packed_offsets([layouts[j].shard_nbytes for j in js])[0])}
     return [
         Bucket(
             index=j, members=tuple(d.name for d in b), nbytes=sum(d.nbytes for d in b),
@@ -68,10 +66,8 @@ def _layout(bucket: Sequence[Decision], k: int) -> _Sizes:
     return _Sizes(lay.shard_nbytes, lay.gathered_nbytes)
 
 
-def group(
-    chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
-    compactions: Sequence[Compaction] = (),
-) -> list[Bucket]:
+def group(chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, bucket_bytes: int, k: int,
+          compactions: Sequence[Compaction] = ()) -> list[Bucket]:
     """Buckets and shard ops for the chosen tensors; ``bucket_bytes=0``: one tensor a bucket, one bucket a shard op."""
     order = sorted(chosen, key=lambda d: model.placements[d.name].first_use)
     singles = [[d] for d in order]

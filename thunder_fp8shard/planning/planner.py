@@ -81,10 +81,9 @@ def soundness(
 def decide(analysis: Analysis, options: ShardOptions, k: int, chooser=None) -> Choice:
     """The one decision of a compilation: the policy over every rewrite's items (``chooser``: :func:`choose`, the agreed
     layout's, or a test's)."""
-    sound = []
-    if analysis.replication is not None:
-        sound = soundness(list(analysis.candidates), analysis.replication, set(analysis.model_io), options, k,
-                          analysis.model, set(analysis.saved_names), analysis.sources)
+    sound = [] if analysis.replication is None else soundness(
+        list(analysis.candidates), analysis.replication, set(analysis.model_io), options, k, analysis.model,
+        set(analysis.saved_names), analysis.sources)
     return (chooser or choose)(sound, analysis.model, options, k)
 
 
@@ -213,14 +212,12 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
     ``budget`` take items by peak lowered per byte moved, each leaving out those it clashes with."""
     model, resized = _free(model)
     candidates = [d for d in sound if d.sharded]
-    refused: dict[str, str] = {}
     notes: list[str] = []
     warnings: list[str] = []
     sched = dict(prefetch=options.prefetch, k=k)
     singles = grouping.group(candidates, model, bucket_bytes=0, **sched)
-    for b in singles:
-        if model.compute_steps_between(b.shard_at, b.gather_at) == 0:
-            refused[b.members[0]] = "idle interval too short: its all-gather would be issued right after it is sharded"
+    refused = {b.members[0]: "idle interval too short: its all-gather would be issued right after it is sharded"
+               for b in singles if model.compute_steps_between(b.shard_at, b.gather_at) == 0}
     candidates = [d for d in candidates if d.name not in refused]
     single_of = {b.members[0]: b for b in singles}
     compactions = _compaction_options(model, options)
@@ -290,8 +287,7 @@ def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptio
     model, resized = _free(model)
     by_name = {d.name: d for d in sound}
     members = [n for b in buckets for n in b]
-    missing = [n for n in members if n not in by_name or not by_name[n].sharded]
-    if missing:
+    if missing := [n for n in members if n not in by_name or not by_name[n].sharded]:
         why = by_name[missing[0]].reason if missing[0] in by_name else "not saved for backward here"
         raise LayoutError(f"the agreed layout shards {len(members)} tensor(s); {len(missing)} cannot be sharded "
                           f"in this program (the first, key {missing[0]}: {why})")
@@ -354,9 +350,8 @@ def _compaction_options(model: MemoryModel, options: ShardOptions) -> list[Compa
 
 
 def _compacted_reason(c: Compaction, model: MemoryModel) -> str:
-    base = model.lives[c.storage]
-    return (f"views of {base.name}'s {c.storage_nbytes:,} B storage: compact copies free {c.freed_bytes:,} B from "
-            f"step {c.compact_at} to the backward, {c.copied_bytes:,} B copied a step")
+    return (f"views of {model.lives[c.storage].name}'s {c.storage_nbytes:,} B storage: compact copies free "
+            f"{c.freed_bytes:,} B from step {c.compact_at} to the backward, {c.copied_bytes:,} B copied a step")
 
 
 def _placed_reason(c: Compaction, model: MemoryModel) -> Compaction:

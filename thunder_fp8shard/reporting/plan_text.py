@@ -172,8 +172,7 @@ def _terms_table(plan: ShardPlan) -> list[str]:
     rows = [("jitted program (its peak)", f"{plan.program_peak_bytes_before:,} -> {plan.program_peak_bytes_after:,}",
              "", MODELLED, "liveness of the joint forward+backward program")]
     rows += [(t.name, f"{t.nbytes:,}", t.where(n), t.source, t.how) for t in plan.terms]
-    header = ("memory model (device bytes per rank)", "bytes", "steps", "source", "how")
-    return table(header, rows)
+    return table(("memory model (device bytes per rank)", "bytes", "steps", "source", "how"), rows)
 
 
 def _agreed_table(plan: ShardPlan) -> list[str]:
@@ -182,8 +181,7 @@ def _agreed_table(plan: ShardPlan) -> list[str]:
         return []
     rows = [(a.name, a.rule, f"{a.value:,}", f"{a.own:,}", "" if a.value == a.own else "another rank's")
             for a in plan.agreed]
-    header = (f"agreed over {plan.k} ranks before planning", "rule", "planned with", "this rank's own", "")
-    return table(header, rows)
+    return table((f"agreed over {plan.k} ranks before planning", "rule", "planned with", "this rank's own", ""), rows)
 
 
 def _direction(before: int, after: int) -> str:

@@ -104,7 +104,6 @@ def find_sites(facts: ProgramFacts, *, group, world_size: int, default_world_siz
         if getattr(w, "name", None) not in chains:
             continue  # not a forward-gathered weight: nothing to say
         g, sl = chains[w.name]
-        gather, wait, shard = g.gather, g.wait, g.shard
         gathered = sl.args[0] if sl is not None else w
         why = None
         if sl is not None and not _is_row_slice(sl, sl.args[0], w):
@@ -115,13 +114,13 @@ def find_sites(facts: ProgramFacts, *, group, world_size: int, default_world_siz
             state = getattr(qb.args[0], "name", None) if qb is not None and qb.args else None
             at = position[id(lin)]
             why = _first_problem(
-                gather=gather, shard=shard, wait=wait, slice_=sl, linear=lin, gathered=gathered, weight=w,
+                gather=g.gather, shard=g.shard, wait=g.wait, slice_=sl, linear=lin, gathered=gathered, weight=w,
                 quantizers=qb, q_w=q_w, producer=producer, uses=uses, returned=returned, inputs=inputs,
                 group=group, world_size=world_size, default_world_size=default_world_size,
                 recipe_problem=recipe_problem, recomputed=recomputed,
                 updated_after=state is not None and last_update.get(state, -1) > at,
                 updated_before=state is not None and first_update.get(state, len(body)) < at)
-        sites.append(Site(lin, gather, wait, sl, qb, shard if isinstance(shard, TensorProxy) else None, w, why))
+        sites.append(Site(lin, g.gather, g.wait, sl, qb, g.shard if isinstance(g.shard, TensorProxy) else None, w, why))
     return sites
 
 
@@ -240,7 +239,6 @@ def batches(f: _Forward, sites: Sequence[Site]) -> list[tuple[int, list[Site], l
     no tensor, and creating a state does not depend on when). Other sites start alone."""
     body, index, producer, inputs = f.body, f.index, f.producer, f.inputs
     chosen = sorted((s for s in sites if s.why is None), key=lambda s: index[id(s.gather)])
-    passable = {ALL_GATHER}
     runs: list[list[Site]] = []
     alone: list[Site] = []
     last = None
@@ -250,7 +248,7 @@ def batches(f: _Forward, sites: Sequence[Site]) -> list[tuple[int, list[Site], l
             alone.append(s)
             continue
         i = index[id(s.gather)]
-        if last is not None and all(b.sym.name in passable or b.sym.id in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.COMMENT)
+        if last is not None and all(b.sym.name == ALL_GATHER or b.sym.id in (PrimIDs.UNPACK_TRIVIAL, PrimIDs.COMMENT)
                                     for b in body[last + 1:i]):
             runs[-1].append(s)
         else:
@@ -267,8 +265,7 @@ def batches(f: _Forward, sites: Sequence[Site]) -> list[tuple[int, list[Site], l
                     moved.add(id(g))
                     getters.append(g)
         out.append((at, run, sorted(getters, key=lambda g: index[id(g)])))
-    for s in alone:
-        out.append((max(index[id(s.gather)], index[id(s.quantizers)]), [s], []))
+    out += [(max(index[id(s.gather)], index[id(s.quantizers)]), [s], []) for s in alone]
     return sorted(out, key=lambda x: x[0])
 
 
@@ -385,9 +382,7 @@ def plan(facts: ProgramFacts, *, enabled: bool, setup_name: str | None, group, w
          recipe=None, default_world_size: int | None = None, rank: int | None = None) -> ForwardGatherPlan:
     """The forward-gather decisions of one compilation (none where ``enabled`` is False). Arguments left
     None are taken from TE and ``torch.distributed``."""
-    if not enabled:
-        return ForwardGatherPlan((), ())
-    if not (setup_name or "").startswith("Thunder FSDP"):
+    if not enabled or not (setup_name or "").startswith("Thunder FSDP"):
         return ForwardGatherPlan((), ())  # only Thunder FSDP all-gathers weights in the forward
     if default_world_size is None or rank is None:
         import torch.distributed as dist

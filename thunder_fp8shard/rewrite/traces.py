@@ -174,12 +174,8 @@ def rewrite_backward(bw: TraceCtx, handoff: ForwardRewrite, *, group, provenance
     ):
         raise RuntimeError("ShardIntermediates: the backward trace does not match the forward it was handed")
     # what Thunder regenerates below (unpacks of the saved list, dels and clears) is dropped
-    body = [
-        b for b in bw.bound_symbols
-        if b.sym.id not in (PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT,
-                            PrimIDs.UNPACK_KEY)
-        and b.sym is not clear_mutable_collection
-    ]
+    body = [b for b in bw.bound_symbols if b.sym is not clear_mutable_collection and b.sym.id not in (
+        PrimIDs.DEL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_EMPTY_DICT, PrimIDs.UNPACK_KEY)]
     position = {id(b): i for i, b in enumerate(body)}
     if handoff.compacted:
         swap = {variableify(view): copy for view, copy in handoff.compacted}
