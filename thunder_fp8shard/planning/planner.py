@@ -184,9 +184,9 @@ def _free(model: MemoryModel) -> tuple[MemoryModel, tuple[str, ...]]:
 
 def _instead(items: Sequence[Item], chosen: Sequence[Item]) -> dict[str, str]:
     """Why each of ``items`` not chosen that clashes with a chosen one is left out, by name."""
-    why = {}
+    why, keys = {}, {c.key for c in chosen}
     for i in items:
-        if not any(i is c for c in chosen) and (hits := [c for c in chosen if i.clashes(c)]):
+        if i.key not in keys and (hits := [c for c in chosen if i.clashes(c)]):
             names = sorted({n for c in hits for n in c.key if n in i.conflicts or c.kind == COMPACTION})
             how = "compacted" if hits[0].kind == COMPACTION else "sharded"
             why.update((n, f"its storage is {how} instead ({', '.join(names)})") for n in i.key)
@@ -200,9 +200,8 @@ def _raising(items: Sequence[Item], base: np.ndarray) -> set[str]:
 
 
 def _undone(compactions: Sequence[Compaction], why: Mapping[str, str]) -> list[Compaction]:
-    """``compactions``, those taken whose storage ``why`` names left out with its reason."""
-    return [replace(c, compacted=False, reason=why[c.storage]) if c.compacted and c.storage in why else c
-            for c in compactions]
+    """``compactions``, those whose storage ``why`` names left out with its reason."""
+    return [replace(c, compacted=False, reason=why[c.storage]) if c.storage in why else c for c in compactions]
 
 
 def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: int) -> Choice:
@@ -228,31 +227,29 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
         for i in shards + copies:
             if not raising.intersection(i.key) and not any(i.clashes(c) for c in chosen):
                 chosen.append(i)
-        compactions = _undone(compactions, {**dict.fromkeys(raising, COPY_RAISES), **_instead(copies, chosen)})
+        compactions = _undone(compactions, dict.fromkeys(raising, COPY_RAISES))
         refused.update((d.name, RAISES) for d in candidates if d.name in raising)
-        candidates = [d for d in candidates if d.name not in refused]
     else:  # the item lowering the peak most per byte moved, until it stops falling or meets the budget's target
         target = budget_target(options.budget_bytes) if options.policy == "budget" else None
         base, items = model.live_bytes(), copies + shards  # the first of equal gains
         chosen, live = _greedy(items, base, target)
         lowest, names = int(live.max()), {n for i in chosen for n in i.key}
         taken = {i.key[0] for i in chosen if i.kind == COMPACTION}
-        met, instead = target is not None and lowest <= target, _instead(items, chosen)
-        refused.update((d.name, instead.get(d.name, LOWERS_NOTHING if not met else NOT_NEEDED)) for d in candidates
-                       if d.name not in names)
+        met = target is not None and lowest <= target
+        refused.update((d.name, LOWERS_NOTHING if not met else NOT_NEEDED) for d in candidates if d.name not in names)
         traffic = {"moved_bytes": sum(i.moved_bytes for i in chosen),
                    "lower_bound_bytes": least_traffic(base, target, items) if target is not None else None}
         if target is not None and not met:  # the best reachable: every sound shard and the compactions beside them
             every = shards + [i for i in copies if not any(i.clashes(s) for s in shards)]
             best = int((base + sum(i.change for i in every)).max())
             if best < lowest:  # closer than the greedy got (no single item lowered the peak alone): take all
-                lowest, met, instead = best, best <= target, _instead(items, every)
+                chosen, lowest, met = every, best, best <= target
                 taken = {i.key[0] for i in every if i.kind == COMPACTION}
                 for d in candidates:
                     refused.pop(d.name, None)
                 traffic = {**traffic, "moved_bytes": sum(i.moved_bytes for i in every)}
-        compactions = _undone(compactions, {c.storage: instead.get(c.storage, NOT_NEEDED if met else LOWERS_NOTHING)
-                                            for c in compactions if c.storage not in taken})
+        compactions = _undone(compactions, {c.storage: NOT_NEEDED if met else LOWERS_NOTHING for c in compactions
+                                            if c.compacted and c.storage not in taken})
         if target is not None:
             notes.append(_budget_note(options.budget_bytes, target, model.evaluate([]).peak_bytes, lowest))
             if not met:
@@ -260,6 +257,10 @@ def choose(sound: list[Decision], model: MemoryModel, options: ShardOptions, k: 
             if unknown := [t.name for t in model.terms if t.source == UNKNOWN]:
                 notes.append(f"the budget was planned on a predicted peak without the {', '.join(unknown)} (unknown "
                              "size): the step can exceed it by that much")
+    # an item left out by one it clashes with says so, whatever else kept it out (compact="off" aside)
+    instead = _instead(shards + _items(model, compactions=compactions if options.compact != "off" else ()), chosen)
+    compactions = _undone(compactions, instead)
+    refused.update((n, instead[n]) for n in list(refused) if n in instead)
     final = [d if d.name not in refused else _not_sharded(d, refused[d.name]) for d in sound]
     taken = [c for c in compactions if c.compacted]
     buckets = grouping.group([d for d in final if d.sharded], model, bucket_bytes=options.bucket_bytes,
@@ -301,8 +302,8 @@ def choose_layout(sound: list[Decision], model: MemoryModel, options: ShardOptio
     compactions = _compaction_options(model, options)  # those not raising the peak on their own nor clashing
     copies = _items(model, compactions=[c for c in compactions if c.compacted])
     raising = _raising(copies, model.live_bytes())
-    compactions = _undone(compactions, {**dict.fromkeys(raising, COPY_RAISES),
-                                        **_instead(copies, _items(model, placed))})
+    compactions = _undone(compactions, {**dict.fromkeys(raising, COPY_RAISES), **_instead(
+        _items(model, compactions=compactions if options.compact != "off" else ()), _items(model, placed))})
     compactions = [_placed_reason(c, model) for c in grouping.place_compactions(compactions, placed, model)]
     warnings = []
     taken = [c for c in compactions if c.compacted]
