@@ -17,7 +17,7 @@ from thunder_fp8shard.analysis.liveness import (
     Life, Step, forward_return, joint_graph, program_steps, storage_lives, storage_of,
 )
 from thunder_fp8shard.analysis.fsdp_gathers import Gather, forward_gathers
-from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs, forward_saved, model_io_names
+from thunder_fp8shard.analysis.saved import body_without_dels, forward_inputs, forward_outputs, forward_saved
 
 
 @dataclass(frozen=True)
@@ -90,5 +90,6 @@ def program_facts(fw: TraceCtx, bw: TraceCtx, te_names: Set[str] | None = None) 
     args = tuple(forward_inputs(fw))
     outputs = tuple({p.name: p for p in forward_return(fw)[0]}.values())
     lives = storage_lives(fw, bw, nbytes_of=lambda p: payload_nbytes(p, te), graph=graph)
-    return ProgramFacts(fw, bw, tuple(saved), tuple(saved_other), args, outputs, frozenset(model_io_names(fw)), te,
+    model_io = frozenset(p.name for p in (*args, *forward_outputs(fw)))  # the caller keeps them alive
+    return ProgramFacts(fw, bw, tuple(saved), tuple(saved_other), args, outputs, model_io, te,
                         graph.graph["backward_start"], program_steps(fw, bw), graph, lives, program_device(fw))

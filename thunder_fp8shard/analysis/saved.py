@@ -45,11 +45,6 @@ def forward_outputs(fw: TraceCtx) -> list[Proxy]:
     return [p for p in flat if isinstance(p, Proxy)]
 
 
-def model_io_names(fw: TraceCtx) -> set[str]:
-    """Names of the forward's inputs and outputs: the caller keeps them alive, so sharding them frees nothing."""
-    return {p.name for p in forward_inputs(fw)} | {p.name for p in forward_outputs(fw)}
-
-
 def numel(p: TensorProxy) -> int:
     """The element count of ``p``'s shape, without ``TensorProxy.numel``: slow, and after Thunder FSDP rewrites
     ``_shape`` still the unsharded count."""
