@@ -39,6 +39,8 @@ gpu_tests() {
 # the calls made again (ops._Again, 1fea74e, reverted in 1beed4f; redo by hand on ops._copies_on, then time it against
 # the package without it, carried as .rev/REV.tar) and FP8 at seq 8192 (80.6 GB without the pass: an H200 only).
 fp8_k() { paired final_fp8_l32_n8_k "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+# s32 (next): the bf16 default at 32 layers on the same code (launch h): its plans have compactions and own shards
+bf16_h() { paired final_bf16_l32_n8_h "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -59,7 +61,8 @@ case "${1:-}" in
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
       s31) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s31"; exit 2 ;;
+      s32) launch bf16_h; echo 1 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s31|s32"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -71,5 +74,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s31|collect"; exit 2 ;;
+  *) echo "usage: $0 start s31|s32|collect"; exit 2 ;;
 esac
