@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from thunder.core.proxies import TensorProxy
+
 from thunder_fp8shard.analysis.program import ProgramFacts
 from thunder_fp8shard.analysis.saved import tensor_nbytes
 

@@ -84,8 +84,8 @@ def schedule_forward(facts: ProgramFacts, prefetch: int = FORWARD_PREFETCH) -> T
             key[id(b)] = (x.first_use, -1, k)  # right before the first use
         if j >= prefetch:  # right before the chain of the one `prefetch` earlier
             key[id(x.gather)] = (found[j - prefetch].first_use, -2, j)
-    return _reordered(facts.forward, body, key, f"ShardIntermediates(reschedule): {max(0, len(found) - prefetch)} of "
-                                     f"{len(found)} forward all-gathers issued {prefetch} ahead of their use")
+    return _reordered(facts.forward, body, key, f"ShardIntermediates(reschedule): {max(0, len(found) - prefetch)} "
+                                                f"of {len(found)} forward all-gathers issued {prefetch} ahead of their use")
 
 
 def schedule_backward(bw: TraceCtx) -> TraceCtx | None:
