@@ -64,7 +64,7 @@ def run_scenarios(rank, world_size, scenarios):
     for name, plant, cfg in scenarios:
         if plant == "measured":
             cfg = replace(cfg, seams={"device_probe": _planted_probe(rank)})
-        if plant == "mismatch":  # make_plan asks the injected chooser
+        if plant == "mismatch":  # planner.decide asks the injected chooser
             cfg = replace(cfg, seams={"chooser": _drop_last_bucket_on_the_last_rank(rank, world_size)})
         out[name] = (baseline, train(rank, world_size, cfg))
     return out

@@ -1,8 +1,9 @@
-"""The planner: decides, for every candidate, whether to shard it, and says why. ``soundness`` decides what may be
-sharded; ``choose`` applies the policy on the memory model (device bytes) and groups the chosen; ``make_plan`` is the
-entry point. The policies weigh items (:class:`Item`), whatever rewrite offered them (a sound candidate's shard, a
-compaction option): the bytes each moves a step and what it changes at each step of the model, in one evaluator
-(``_raising``, ``_greedy``, ``_never_worse``)."""
+"""The planner: decides, for every item the rewrites offer, whether to take it, and says why. ``soundness`` decides
+what may be sharded; ``choose`` applies the policy on the memory model (device bytes) and groups the chosen; ``decide``
+is the one decision a program, ``make_plan`` the plan's fields it decides. The policies weigh items (:class:`Item`),
+whatever rewrite offered them (a sound candidate's shard, a compaction option, the FP8 gather's resized buffers): the
+bytes each moves a step, what it changes at each step of the model and what it clashes with, in one evaluator
+(``_free``, ``_raising``, ``_greedy``, ``_never_worse``)."""
 
 from __future__ import annotations
 

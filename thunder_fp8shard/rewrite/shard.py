@@ -1,6 +1,7 @@
 """The shard rewrite: each replicated saved tensor kept as this rank's 1/k shard from its last forward use and
-all-gathered back before its first backward use. Its decision is the planner's, which weighs the compactions with the
-shards (so it decides the compactions too), and its trace rewrite makes the compact copies in the same pass."""
+all-gathered back before its first backward use. It turns the planner's one choice (``Program.choice``: its shards and
+the compactions weighed with them) into the plan's fields, and its trace rewrite makes the compact copies in the same
+pass."""
 
 from __future__ import annotations
 
