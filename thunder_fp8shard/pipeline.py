@@ -61,7 +61,7 @@ class Seams:
     device_probe: DeviceProbe = field(default_factory=DeviceProbe)
     collectives: Collectives = TORCH_COLLECTIVES
     replication_analysis: Callable = analyze_replication
-    chooser: Callable = choose  # the planner's choice of shards and compactions
+    chooser: Callable = choose  # the policy over the items, which planner.decide calls
 
 
 @dataclass(frozen=True)
