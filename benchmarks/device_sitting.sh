@@ -3,7 +3,7 @@
 # `benchmarks/device_sitting.sh collect` (a tarball into $OUT). The sittings before it, with the job lists they ran:
 # the NOTES.md of their results' folders, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (a sitting with a "revision" arm: carry .rev/):
-#   benchmarks/device_sitting.sh start s31  # launches the sitting's jobs (returns at once)
+#   benchmarks/device_sitting.sh start s33  # launches the sitting's jobs (returns at once)
 #   benchmarks/device_sitting.sh collect    # waits up to $WAIT seconds for them, then tars what exists into $OUT
 # The jobs of a sitting compile side by side but time alone: every paired run removes its file under $R/busy when
 # its arms are built, waits until that folder is empty (nothing else compiling or running) and takes $R/gpu.lock
@@ -34,13 +34,10 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s31 (next): the GPU module on the house's fifth pass (one decision over items, facts once) beside the build; the FP8
-# default at 32 layers beside the run without the pass (launch k, the user's arms). Still to come in a later sitting:
-# the calls made again (ops._Again, 1fea74e, reverted in 1beed4f; redo by hand on ops._copies_on, then time it against
-# the package without it, carried as .rev/REV.tar) and FP8 at seq 8192 (80.6 GB without the pass: an H200 only).
-fp8_k() { paired final_fp8_l32_n8_k "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
-# s32 (next): the bf16 default at 32 layers on the same code (launch h): its plans have compactions and own shards
-bf16_h() { paired final_bf16_l32_n8_h "$USER_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
+# s33 (next): FP8 at seq 8192 (80.6 GB without the pass: an H200 only), the user's arms, beside the GPU module.
+# Still to come after it: the calls made again (ops._Again, 1fea74e, reverted in 1beed4f: redo by hand on
+# ops._copies_on, then time it against the package without it, carried as .rev/REV.tar with a "revision" arm).
+fp8_8192_a() { paired final_fp8_l32_n8_s8192_a "$USER_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32 --block_size=8192; }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -60,9 +57,8 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/logs/device.txt" 2>&1
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
-      s31) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_k; echo 2 > "$R/logs/expected" ;;
-      s32) launch bf16_h; echo 1 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s31|s32"; exit 2 ;;
+      s33) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_8192_a; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s33"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -74,5 +70,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s31|s32|collect"; exit 2 ;;
+  *) echo "usage: $0 start s33|collect"; exit 2 ;;
 esac
