@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.analysis.names import ALL_GATHER, DIVIDE, REDUCE_SCATTER, WAIT
+from thunder_fp8shard.analysis.program import program_facts
 from thunder_fp8shard.rewrite import collective_schedule as cs
 from thunder_fp8shard.testing.reference_run import RunConfig, mismatches, train_with_and_without
 

@@ -365,7 +365,8 @@ def test_the_memory_model_counts_weights_gathered_in_fp8_at_their_bytes():
     assert (change <= 0).all() and change[-1] == 0
     assert model.evaluate().peak_bytes < model.evaluate(rewritten=False).peak_bytes
     # moving fewer bytes and holding fewer at every step, they are taken under every policy, even lowering no peak
-    for options in ({"policy": "all"}, {"policy": "peak"}, {"policy": "budget", "budget_bytes": 1 << 40, "optimizer_states": 0}):
+    budget = {"policy": "budget", "budget_bytes": 1 << 40, "optimizer_states": 0}
+    for options in ({"policy": "all"}, {"policy": "peak"}, budget):
         assert set(choose([], model, ShardOptions(**options), n).resized) == set(items) == {r.weight for r in fg.rows}
     # a weight left out by the choice keeps its bf16 gather, and the plan says why
     one = fg.chosen({fg.rows[0].weight})

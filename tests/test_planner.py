@@ -421,3 +421,15 @@ def test_an_item_clashing_with_one_taken_is_left_out_and_says_which(policy):
     assert [(x.compacted, x.reason) for x in choice.compactions] == [(False, "its storage is sharded instead (V)")]
     shard, copy = _items(model, group([v], model, prefetch=0, bucket_bytes=0, k=2), [c])
     assert (shard.kind, copy.kind, copy.conflicts) == (SHARD, COMPACTION, {"Q", "V"}) and copy.clashes(shard)
+
+
+@pytest.mark.parametrize("policy", ["all", "peak"])
+def test_resize_items_are_taken_where_they_cost_nothing(policy):
+    """A resize item (a forward rewrite's buffers, as the FP8 forward gather's) that moves fewer bytes and holds fewer at
+    every step is taken under every policy, even where it lowers no peak (R1, dead before the peak); one holding more
+    at some step (R2) is left out, and the plan's prediction counts only the taken one's bytes."""
+    model = replace(MODEL, rewritten=(("R1", 0, 2, -30), ("R2", 3, 8, 10)), resize_moved={"R1": -50, "R2": -50})
+    choice = choose(SOUND, model, ShardOptions(prefetch=0, optimizer_states=0, policy=policy), 2)
+    assert choice.resized == ("R1",)
+    assert model.live_bytes(rewritten=choice.resized)[1] == MODEL.live_bytes()[1] - 30
+    assert model.live_bytes(rewritten=choice.resized)[7] == MODEL.live_bytes()[7]  # R2's 10 B are not counted
