@@ -10,13 +10,31 @@ import pytest
 import torch
 
 from thunder_fp8shard.plan import Step, Timeline
-from thunder_fp8shard.plan import MODELLED, Decision, MemoryTerm, ShardPlan
+from thunder_fp8shard.memory.device import DeviceProbe
+from thunder_fp8shard.memory.resident import OPTIMIZER, RESIDENT
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, UNKNOWN, Decision, MemoryTerm, ShardPlan
 from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.runtime.audit import CALIBRATION_AT, Calibration, SavedAudit, SavedStorage, StepClock
 from thunder_fp8shard.runtime.run_report import RunReport
 
 STEPS = tuple(Step(i, "forward" if i < 4 else "backward", f"op{i}") for i in range(8))
 LIVE = (100, 200, 300, 400, 400, 300, 200, 100)
+
+
+class Readings(DeviceProbe):
+    """The device as a test plants it: the peak, the allocated bytes (one reading a call), the capacity."""
+
+    def __init__(self, peak, allocated=(), capacity=None):
+        self.peak, self.readings, self.cap = peak, list(allocated), capacity
+
+    def peak_allocated(self, device):
+        return self.peak
+
+    def allocated(self, device):
+        return self.readings.pop(0) if self.readings else None
+
+    def capacity(self, device):
+        return self.cap
 
 
 def _plan(**fields) -> ShardPlan:
@@ -48,11 +66,11 @@ def test_the_checks_write_the_report_and_leave_the_plan_as_compiled():
     plan, report = _plan(), RunReport()
     compiled = dataclasses.replace(plan)
     clock = StepClock()
-    clock.agree = lambda mine: mine + 10  # another rank read 10 B more
+    clock.agree = lambda mine: [mine[0] + 10, mine[1]]  # another rank read 10 B more
     audit = SavedAudit(plan, report, [SavedStorage("t0", (0,), 1000, 2, 5)], ["t0"], clock)
     misses = []
     calibration = Calibration(plan, report, "cuda:0", None, clock, on_miss=misses.append, audit=audit,
-                              on_done=lambda: "dropped", peak=lambda device: 3000)
+                              on_done=lambda: "dropped", probe=Readings(3000))
     with pytest.warns(RuntimeWarning, match="sized otherwise"):
         audit([torch.zeros(1000 + 2048, dtype=torch.uint8)])
     for step in range(3):  # two runs a step: two forwards, two backwards; the step after the calibration step's
@@ -78,3 +96,35 @@ def test_the_checks_write_the_report_and_leave_the_plan_as_compiled():
     assert f"calibration ({CALIBRATION_AT}): device peak 2.94 KiB (3,010 B), predicted 2.39 KiB (2,448 B)" in text
     assert "this program ran 2 times in the first step" in text and "first-call checks: after backward call 5" in text
     assert "calibration (" not in plan_text(plan) and "first-call checks:" not in plan_text(plan)
+
+
+@pytest.mark.parametrize("resident, optimizer, unseen", [
+    (MEASURED, None, 700),  # the optimizer's state unknown (no options): the whole growth is added
+    (MEASURED, 500, 200),  # optimizer_states modelled 500 B of it
+    (GIVEN, None, None),  # resident_bytes given: the caller's figure stands
+])
+def test_the_calibration_adds_what_the_resident_memory_grew_since_compilation(resident, optimizer, unseen):
+    """The allocated bytes at the calibration step's first forward end less the first step's (700 B: the optimizer's
+    state, made by the first optimizer step) correct the prediction, less what the plan modelled of it; the text gives
+    the device's capacity (a cap set on the process) and the headroom at the peak."""
+    terms = [MemoryTerm(RESIDENT, resident, "", ((0, 7, 50),)),
+             MemoryTerm(OPTIMIZER, MODELLED if optimizer else UNKNOWN, "", ((0, 7, optimizer),) if optimizer else ())]
+    plan, report, clock = _plan(), RunReport(), StepClock()
+    plan = dataclasses.replace(plan, terms=tuple(terms))
+    probe = Readings(1150, allocated=[300, 1000], capacity=(8000, 0.25))
+    clock.allocated = lambda: probe.allocated("cuda:0")
+    audit = SavedAudit(plan, report, [], [], clock)
+    calibration = Calibration(plan, report, "cuda:0", None, clock, on_miss=None, audit=audit, probe=probe)
+    for _ in range(3):
+        audit([])
+        calibration()
+    c = report.calibration
+    assert (c.compiled_peak_bytes, c.resident_growth_bytes, c.capacity_bytes) == (400, unseen, 2000)
+    assert c.predicted_peak_bytes == 400 + (unseen or 0) and c.error_bytes == 1150 - c.predicted_peak_bytes
+    text = plan_text(plan, report)
+    if unseen == 700:
+        assert (f"calibration ({CALIBRATION_AT}): device peak 1.12 KiB (1,150 B), predicted 1.07 KiB (1,100 B) = 400 B "
+                "at compilation +700 B that the resident memory grew since beyond the plan's terms (the optimizer's "
+                "state, unless optimizer_states said it), error +50 B (+4.55%)") in text
+    assert ("capacity: 1.95 KiB (2,000 B), the cap set on this process (0.25 of the device's 7.81 KiB (8,000 B)); "
+            "headroom at the peak 850 B") in text

@@ -221,7 +221,7 @@ def _build(chosen: _Planned, *, clock: StepClock, on_miss: Callable[[int], None]
     audit = SavedAudit(plan, report, expected_storages(program.analysis.model, plan, new_fw),
                        [p.name for p in new_fw.saved if isinstance(p, TensorProxy)], clock)
     calibration = Calibration(plan, report, program.facts.device, plan.budget_bytes, clock, on_miss, audit,
-                              peak=seams.device_probe.peak_allocated)
+                              probe=seams.device_probe)
     sig = signature(new_fw.trace, new_bw)
     fw_trace, new_bw = with_run_checks(new_fw, new_bw, audit, calibration)
     calls, counted = operator_calls(fw_trace, new_bw), {}
@@ -274,6 +274,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         built = _together(fw, bw, planned, build, together, seams.collectives, seams.rewrites)
         layouts.by_program[program] = built.layout
         clock.agree = functools.partial(largest, group=together, comm=seams.collectives)
+        clock.allocated = functools.partial(seams.device_probe.allocated, device.device if device else None)
         return built.compiled
     agreed = layouts.by_program.get(program)
     if agreed is None:

@@ -74,11 +74,11 @@ def agree(terms: Sequence[MemoryTerm], budget_bytes: int | None, group,
     return settle(terms, budget_bytes, comm.all_reduce_max(encode(terms, budget_bytes), group))
 
 
-def largest(value: int, group, comm: Collectives = TORCH_COLLECTIVES) -> int:
-    """The largest ``value`` over the ranks of ``group``, so that every rank decides alike."""
+def largest(values: Sequence[int], group, comm: Collectives = TORCH_COLLECTIVES) -> list[int]:
+    """Each of ``values``' largest over the ranks of ``group`` (one all-reduce), so that every rank decides alike."""
     if group is None or comm.size(group) < 2:
-        return value
-    return int(comm.all_reduce_max([value], group)[0])
+        return list(values)
+    return [int(v) for v in comm.all_reduce_max(list(values), group)]
 
 
 def encode(terms: Sequence[MemoryTerm], budget_bytes: int | None) -> list[int]:

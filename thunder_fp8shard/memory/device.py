@@ -124,6 +124,20 @@ def peak_allocated(device: str | None) -> int | None:
     return torch.cuda.max_memory_allocated(torch.device(device))
 
 
+def allocated(device: str | None) -> int | None:
+    """``torch.cuda.memory_allocated`` of ``device`` (None on the CPU)."""
+    return None if device is None or not torch.cuda.is_available() else torch.cuda.memory_allocated(torch.device(device))
+
+
+def capacity(device: str | None) -> tuple[int, float] | None:
+    """The device's total bytes and the fraction of them this process may allocate
+    (``torch.cuda.set_per_process_memory_fraction``; 1.0 unless set); None on the CPU."""
+    if device is None or not torch.cuda.is_available():
+        return None
+    dev = torch.device(device)
+    return torch.cuda.get_device_properties(dev).total_memory, torch.cuda.get_per_process_memory_fraction(dev)
+
+
 class DeviceProbe:
     """What the pass reads of the device, injectable so a test can plant readings on the CPU."""
 
@@ -133,3 +147,9 @@ class DeviceProbe:
 
     def peak_allocated(self, device: str | None) -> int | None:
         return peak_allocated(device)
+
+    def allocated(self, device: str | None) -> int | None:
+        return allocated(device)
+
+    def capacity(self, device: str | None) -> tuple[int, float] | None:
+        return capacity(device)

@@ -32,6 +32,7 @@ SDPA_BACKWARD = (
     "cudnn_sdpa_bwd",
 )
 LOSS_COPIES = 2  # the loss rule: copies of the forward's floating-point outputs
+RESIDENT, OPTIMIZER = "resident at the call", "optimizer state"  # the terms' names (the calibration reads them)
 
 
 def step_terms(facts: ProgramFacts, options: ShardOptions, device: DeviceMemory | None) -> list[MemoryTerm]:
@@ -66,7 +67,7 @@ def term_lives(terms: list[MemoryTerm]) -> dict[str, Life]:
 
 
 def resident_at_call(inputs: list[TensorProxy], device: DeviceMemory | None, given: int | None, last: int) -> MemoryTerm:
-    name = "resident at the call"
+    name = RESIDENT
     if given is not None:
         return MemoryTerm(name, GIVEN, "resident_bytes", ((0, last, given),))
     if device is None:
@@ -93,7 +94,7 @@ def loss(outputs: list[TensorProxy], given: int | None, bw_start: int) -> Memory
 
 
 def optimizer_state(grads: list[TensorProxy], states: int | None, last: int) -> MemoryTerm:
-    name = "optimizer state"
+    name = OPTIMIZER
     grad_bytes = sum(tensor_nbytes(g) for g in grads)
     if states is None:
         return MemoryTerm(name, UNKNOWN, "unknown: pass optimizer_states (Adam, AdamW: 2, which would add 2 x the "

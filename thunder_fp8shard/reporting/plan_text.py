@@ -102,10 +102,18 @@ def run_time_lines(report: RunReport) -> list[str]:
                        f"; {len(a.differences)} storage(s) differ (the term 'saved storages at the first call')"
                        if a.differences else ""))
     if (c := report.calibration) is not None:
+        grown = "" if c.resident_growth_bytes is None else (
+            f" = {fmt_bytes(c.compiled_peak_bytes)} at compilation {c.resident_growth_bytes:+,} B that the resident "
+            "memory grew since beyond the plan's terms (the optimizer's state, unless optimizer_states said it)")
         out.append(f"calibration ({c.at}): device peak {fmt_bytes(c.measured_peak_bytes)}, predicted "
-                   f"{fmt_bytes(c.predicted_peak_bytes)}, error {c.error_bytes:+,} B "
+                   f"{fmt_bytes(c.predicted_peak_bytes)}{grown}, error {c.error_bytes:+,} B "
                    f"({c.error_pct:+.2f}%)" + (", over the budget: replanned at the next call"
                                                 if c.budget_missed else ""))
+        if c.capacity_bytes is not None:
+            cap = "the device's" if c.memory_fraction >= 1 else (
+                f"the cap set on this process ({c.memory_fraction:.4g} of the device's {fmt_bytes(c.total_bytes)})")
+            out.append(f"capacity: {fmt_bytes(c.capacity_bytes)}, {cap}; headroom at the peak "
+                       f"{fmt_bytes(c.capacity_bytes - c.measured_peak_bytes)}")
     if report.checks_removed is not None:
         out.append(f"first-call checks: {report.checks_removed}")
     if report.runs_per_step and report.runs_per_step > 1:

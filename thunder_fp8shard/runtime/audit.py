@@ -6,6 +6,9 @@ saves, and the device's peak once a step has run with the optimizer's state. The
   a difference becomes a measured term, with a warning. It also counts the forward's calls in the first step.
 - ``fp8shard_calibrate`` (end of backward) reads the device's peak in the model's second step; the ranks agree on the
   largest (:class:`StepClock`). Under ``policy="budget"`` a reading over the budget warns and replans.
+- The resident memory's growth since compilation (the optimizer's state, made after the first step) is the allocated
+  bytes at the first forward's end of the calibration step less the first step's: the same program at the same point.
+  The prediction corrected by it is what the calibration's error is measured against.
 
 Neither synchronizes the device but for that one all-reduce; once done, both are removed
 (:mod:`thunder_fp8shard.runtime.steady_state`).
@@ -21,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from thunder_fp8shard.analysis.liveness import span_bytes
-from thunder_fp8shard.memory.device import peak_allocated
-from thunder_fp8shard.plan import MEASURED, MemoryTerm, ShardPlan
+from thunder_fp8shard.memory.device import DeviceProbe
+from thunder_fp8shard.memory.resident import OPTIMIZER, RESIDENT
+from thunder_fp8shard.plan import GIVEN, MEASURED, MODELLED, MemoryTerm, ShardPlan
 from thunder_fp8shard.runtime.run_report import CalibrationReading, Difference, RunReport, SavedCheck
 
 SAVED_TERM = "saved storages at the first call"
@@ -126,24 +130,30 @@ class StepClock:
 
     def __init__(self):
         self.reset()
-        self.agree: Callable[[int], int] = lambda mine: mine  # the largest over the ranks (set while compiling)
+        self.agree: Callable[[list[int]], list[int]] = list  # each value's largest over the ranks (set while compiling)
+        self.allocated: Callable[[], int | None] = lambda: None  # the device's allocated bytes (set while compiling)
         self.on_backward: Callable[[], None] = lambda: None
 
     def reset(self) -> None:
         """From step 0 again (after a missed budget dropped every program)."""
         self.step, self.in_backward, self.done = 0, False, False
         self.reading: tuple[int, Calibration] | None = None
+        self.at_forward_end: dict[int, int | None] = {}  # the allocated bytes at a step's first forward's end
 
     def forward(self) -> None:
-        if not self.in_backward:
-            return
-        self.in_backward = False
-        self.step += 1
+        if self.in_backward:
+            self.in_backward = False
+            self.step += 1
+        if self.step in (0, CALIBRATION_STEP) and self.step not in self.at_forward_end:
+            self.at_forward_end[self.step] = self.allocated()
         if self.step > CALIBRATION_STEP and not self.done:
             self.done = True
             if self.reading is not None:  # alike on every rank (None on the CPU)
                 mine, calibration = self.reading
-                calibration.calibrate(mine, self.agree(mine))
+                first, then = self.at_forward_end.get(0), self.at_forward_end.get(CALIBRATION_STEP)
+                grown = None if first is None or then is None else then - first
+                peak, agreed_growth = self.agree([mine, grown or 0])
+                calibration.calibrate(mine, peak, None if grown is None else agreed_growth)
 
     def backward(self, calibration: Calibration, peak: int | None) -> None:
         if not self.in_backward:
@@ -160,10 +170,9 @@ class Calibration:
 
     def __init__(self, plan: ShardPlan, report: RunReport, device: str | None, budget_bytes: int | None,
                  clock: StepClock, on_miss: Callable[[int], None], audit: SavedAudit,
-                 on_done: Callable[[], str | None] | None = None,
-                 peak: Callable[[str | None], int | None] = peak_allocated):
+                 on_done: Callable[[], str | None] | None = None, probe: DeviceProbe = DeviceProbe()):
         self.plan, self.report, self.device, self.budget_bytes = plan, report, device, budget_bytes
-        self.clock, self.on_miss, self.peak = clock, on_miss, peak
+        self.clock, self.on_miss, self.probe = clock, on_miss, probe
         self.audit, self.on_done, self.calls, self.done, self.missed = audit, on_done, 0, False, False
 
     def __call__(self) -> None:
@@ -181,16 +190,22 @@ class Calibration:
                                               f"not removed after backward call {self.calls}: the program is not in "
                                               "Thunder's cache (or the pass was given no cache); both return at once")
             return
-        self.clock.backward(self, self.peak(self.device))
+        self.clock.backward(self, self.probe.peak_allocated(self.device))
 
-    def calibrate(self, mine: int, measured: int) -> None:
-        """Records the peak (``measured``: the largest over the ranks) and replans a missed budget."""
-        predicted = self.report.corrected(self.plan).peak_bytes_after
+    def calibrate(self, mine: int, measured: int, growth: int | None = None) -> None:
+        """Records the peak (``measured``: the largest over the ranks) against the prediction corrected by the resident
+        memory's ``growth`` since compilation (the largest over the ranks; None: not read), and replans a missed
+        budget."""
+        plan = self.report.corrected(self.plan)
+        compiled, unseen = plan.peak_bytes_after, unpredicted_growth(plan, growth)
+        predicted = None if compiled is None else compiled + (unseen or 0)
         error = measured - predicted if predicted is not None else None
         missed = self.budget_bytes is not None and measured > self.budget_bytes
-        self.report.calibration = CalibrationReading(measured, mine, predicted, error,
-                                                     None if not predicted else 100.0 * error / predicted,
-                                                     CALIBRATION_AT, budget_missed=missed)
+        total, fraction = self.probe.capacity(self.device) or (None, None)
+        self.report.calibration = CalibrationReading(
+            measured, mine, predicted, error, None if not predicted else 100.0 * error / predicted, CALIBRATION_AT,
+            budget_missed=missed, compiled_peak_bytes=compiled, resident_growth_bytes=unseen, total_bytes=total,
+            memory_fraction=fraction)
         if missed:
             self.missed = True
             warnings.warn(
@@ -201,6 +216,17 @@ class Calibration:
 
     def __repr__(self) -> str:
         return f"Calibration(step {CALIBRATION_STEP})"
+
+
+def unpredicted_growth(plan: ShardPlan, growth: int | None) -> int | None:
+    """What the prediction lacks of the resident memory's ``growth`` since compilation: the growth less the optimizer
+    state the plan modelled (``optimizer_states``); None where not read, or the resident memory was given
+    (``resident_bytes``: the caller's figure stands)."""
+    terms = {t.name: t for t in plan.terms}
+    if growth is None or RESIDENT not in terms or terms[RESIDENT].source == GIVEN:
+        return None
+    modelled = terms[OPTIMIZER].nbytes if OPTIMIZER in terms and terms[OPTIMIZER].source == MODELLED else 0
+    return growth - modelled
 
 
 def cache_dropper(compile_stats) -> Callable[[], None]:

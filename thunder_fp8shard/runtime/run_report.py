@@ -38,7 +38,8 @@ class SavedCheck:
 @dataclass(frozen=True)
 class CalibrationReading:
     """The device's peak at the calibration step (the largest over the shard group) against the corrected
-    prediction."""
+    prediction: the plan's as the audit corrected it (``compiled_peak_bytes``) plus what the resident memory grew since
+    compilation beyond the plan's terms (``resident_growth_bytes``: the optimizer's state where it was not given)."""
 
     measured_peak_bytes: int
     own_peak_bytes: int
@@ -47,6 +48,14 @@ class CalibrationReading:
     error_pct: float | None
     at: str
     budget_missed: bool = False
+    compiled_peak_bytes: int | None = None
+    resident_growth_bytes: int | None = None  # None: not read (the CPU), or resident_bytes given
+    total_bytes: int | None = None  # the device's
+    memory_fraction: float | None = None  # of total_bytes this process may allocate
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return None if self.total_bytes is None else int(self.total_bytes * self.memory_fraction)
 
 
 @dataclass
