@@ -34,10 +34,15 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s33 (next): FP8 at seq 8192 (80.6 GB without the pass: an H200 only), the user's arms, beside the GPU module.
-# Still to come after it: the calls made again (ops._Again, 1fea74e, reverted in 1beed4f: redo by hand on
-# ops._copies_on, then time it against the package without it, carried as .rev/REV.tar with a "revision" arm).
-fp8_8192_a() { paired final_fp8_l32_n8_s8192_a "$USER_ARMS" 32 --one-model -- $FLAGS $FP8 --n_layers=32 --block_size=8192; }
+# s33 (next): the capacity search (capacity.py: every configuration's both sides under the caps their predictions fit;
+# 32 layers, simulated N=8; resumable: a later sitting carries the folder back as $R/capacity and goes on).
+# Still to come: the winners' paired timing (capacity.py rows --commands prints the launches), FP8 at seq 8192's
+# launch, and the calls made again (ops._Again) with the GPU module.
+capacity_search() {
+  python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} > "$R/logs/capacity.log" 2>&1
+  echo "capacity_search rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
   # private copy of the tree ($R/tree): the device tool copies the working tree again at every call, and a job
@@ -47,7 +52,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -57,7 +62,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/logs/device.txt" 2>&1
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
-      s33) export GPU_TEST_WORKERS=12; launch gpu_tests fp8_8192_a; echo 2 > "$R/logs/expected" ;;
+      s33) launch capacity_search; echo 1 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s33"; exit 2 ;;
     esac
     echo started ;;

@@ -99,10 +99,15 @@ class Arm:
     replans: int = 0  # --one-model: programs made again after the pass dropped them (a missed budget's replan)
     failed: str | None = None  # --one-model: why the arm's programs could not be made or run (it is left out)
     running: Arm | None = None  # --one-model, the base's: the arm whose programs are the model's cache now
+    flags: list[str] | None = None  # the benchmark's flags of a model of its own (None: the run's)
+    drawn: list | None = None  # an arm with flags of its own: its batches
+    tokens: int = 0  # tokens an iteration, every rank's: micro-batch x sequence x world size
     notes: list[str] = field(default_factory=list)
 
 
-ARM_KEYS = ("revision", "budget_below_base_bytes", "pass")  # an arm's keys that are the benchmark's, not the pass's
+ARM_KEYS = ("revision", "budget_below_base_bytes", "pass", "flags")  # an arm's keys that are the benchmark's, not the
+# pass's; "flags": the arm is a model of its own, built from these flags of Thunder's benchmark (a micro-batch, activation
+# checkpointing), compiled with its pass at its first call as a user's (capacity.py times the winners of a memory cap)
 
 
 def parse_arms(text: str, cuda: bool) -> list[Arm]:
@@ -110,7 +115,7 @@ def parse_arms(text: str, cuda: bool) -> list[Arm]:
     arms = [Arm(name, None if opts is None else {k: v for k, v in opts.items() if k not in ARM_KEYS},
                 None if opts is None else opts.get("revision"),
                 budget_below_base=None if opts is None else opts.get("budget_below_base_bytes"),
-                which="shard" if opts is None else opts.get("pass", "shard"))
+                which="shard" if opts is None else opts.get("pass", "shard"), flags=(opts or {}).get("flags"))
             for name, opts in json.loads(text).items()]
     if any(a.which not in ("shard", "compact") or (a.which == "compact" and a.revision) for a in arms):
         raise SystemExit('--arms: "pass" is "shard" (ShardIntermediates) or "compact" (CompactSavedViews, this '
@@ -119,6 +124,9 @@ def parse_arms(text: str, cuda: bool) -> list[Arm]:
         raise SystemExit("--arms: budget_below_base_bytes needs CUDA (the budget is in device bytes)")
     if len(arms) < 2 or arms[0].options is not None:
         raise SystemExit("--arms: the first arm is the base and has no pass (null), and at least one more arm")
+    if arms[0].flags or any(a.flags and (a.options is None or a.revision or a.budget_below_base is not None)
+                            for a in arms):
+        raise SystemExit('--arms: "flags" is for an arm with this checkout\'s pass (the base\'s flags follow "--")')
     return arms
 
 
@@ -159,6 +167,17 @@ def relative_budget(resident_now: int, base_peak: int, base_before: int, below: 
 
 
 # ---- building the arms ------------------------------------------------------------------------------------------------
+
+
+def kwargs_of(flags: list[str]) -> dict:
+    """``Benchmark_litGPT``'s arguments from the benchmark's flags, as its command line parses them."""
+    import thunder.benchmarks.benchmark_litgpt as bl
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(bl.Benchmark_litGPT)
+    return parser.parse_args(flags).as_dict()
+
 
 
 def build(bl, arm: Arm, kwargs: dict, passes: dict) -> None:
@@ -241,9 +260,10 @@ def build_arms(torch, bl, arms: list[Arm], kwargs: dict, passes: dict, args, ran
             base = arms[0]
             arm.options = {**arm.options, "budget_bytes": relative_budget(
                 arm.before_bytes, base.alone_peak_bytes, base.before_bytes, arm.budget_below_base)}
-        build(bl, arm, kwargs, passes)
+        build(bl, arm, kwargs_of(arm.flags) if arm.flags else kwargs, passes)
+        arm.drawn = batches(arm.bench, rank) if arm.flags else None
         drawn = drawn or batches(arm.bench, rank)
-        warm_up(torch, arm, drawn, args.warmup)
+        warm_up(torch, arm, arm.drawn or drawn, args.warmup)
     del placeholder  # every arm is built: what was reserved for them, they hold
     return drawn
 
@@ -262,6 +282,12 @@ def _build_programs(torch, bl, order: list[Arm], kwargs: dict, passes: dict, arg
     base.entries = shared_compile.entries(base.bench.model)
     cuda = bl.device.type == "cuda"
     for arm in order[1:]:
+        if arm.flags:  # a model of its own: compiled with its pass at its first call
+            arm.before_bytes = torch.cuda.memory_allocated(bl.device) if cuda else 0
+            build(bl, arm, kwargs_of(arm.flags), passes)
+            arm.drawn = batches(arm.bench, rank)
+            warm_up(torch, arm, arm.drawn, args.warmup)
+            continue
         arm.bench, arm.before_bytes = base.bench, base.before_bytes
         if arm.options is None:
             arm.entries, arm.program_s = base.entries, 0.0
@@ -302,6 +328,8 @@ def _activate(base: Arm, arm: Arm) -> bool:
     """``--one-model``: the model's next call runs ``arm``'s programs. The arm that ran last keeps the cache as its
     programs left it (the pass may swap an entry for its steady-state one, or drop them all after a missed budget:
     then they are made again, with the replanned pass, when that arm runs next). True if ``arm``'s were."""
+    if arm.bench is not base.bench:  # a model of its own (flags): its cache is its own
+        return False
     model = base.bench.model
     last = base.running
     if last is not None:
@@ -333,7 +361,8 @@ def alternate(torch, arms: list[Arm], drawn: list, gc_log: GcLog, args) -> list[
     for i, (quad, position, k) in enumerate(schedule):
         if args.one_model:
             _activate(arms[0], arms[k])  # outside the timed iteration; never a compilation among them
-        r = timed_iteration(torch, arms[k].bench, drawn[i % len(drawn)], gc_log)
+        mine = arms[k].drawn or drawn
+        r = timed_iteration(torch, arms[k].bench, mine[i % len(mine)], gc_log)
         if i >= n_warm:
             records.append(dict(r, quad=quad, position=position, arm=k, t_s=time.perf_counter() - t_start))
     return records
@@ -358,7 +387,7 @@ def operator_cpu(arms: list[Arm], drawn: list, args) -> dict:
                 wrapped[arm.name].append(timer.install(op_timer.programs(arm.bench.model)))
                 timer.take()
                 c0 = time.process_time()
-                step(arm.bench, drawn[i % len(drawn)])
+                step(arm.bench, (arm.drawn or drawn)[i % len(drawn)])
                 cpu[arm.name].append((time.process_time() - c0) * 1e3)
                 its[arm.name].append(timer.take())
     finally:
@@ -383,7 +412,7 @@ def python_profile(arms: list[Arm], drawn: list, args, top: int = 400) -> dict:
             if args.one_model:
                 _activate(arms[0], arm)
             profs[arm.name].enable()
-            step(arm.bench, drawn[i % len(drawn)])
+            step(arm.bench, (arm.drawn or drawn)[i % len(drawn)])
             profs[arm.name].disable()
     out = {}
     for name, prof in profs.items():
@@ -426,12 +455,25 @@ def describe(args, flags: list[str], arms: list[Arm], records: list[dict], profi
                   f"gc.freeze after warm-up: {args.freeze_gc}; "
                   + ("one model, one compilation, every arm a program of it (--one-model)" if args.one_model else
                      "every arm a model of its own, compiled on its own"),
-        "arms": [{"name": a.name, "options": a.options, "revision": a.revision, "build_s": a.build_s, "program_s": a.program_s, "replans": a.replans, "first_iteration_s": a.first_iteration_s,
+        "arms": [{"name": a.name, "options": a.options, "revision": a.revision, "flags": a.flags,
+                  "tokens_per_iteration": a.tokens, "build_s": a.build_s, "program_s": a.program_s, "replans": a.replans, "first_iteration_s": a.first_iteration_s,
                   "resident_GB": a.resident_bytes / 1e9,
                   "alone_peak_GB": None if a.alone_peak_bytes is None else a.alone_peak_bytes / 1e9,
                   "notes": a.notes, "plan": plan_summary(a.shard)} for a in arms],
         "records": records, "profile": profile, "op_cpu": op_cpu,
     }
+
+
+def tokens_per_s(overhead: dict, base_tokens: int, tokens: int) -> dict:
+    """Both sides' tokens a second (every rank's tokens an iteration over the median iteration) and the arm's over the
+    base's, with the CI of its time's overhead carried over (the ratio falls as the time rises)."""
+    if not (base_tokens and tokens):
+        return {}
+    ms = overhead["base_median"]
+    ratio = lambda pct: tokens / base_tokens / (1 + pct / 100)  # noqa: E731
+    return {"tokens_per_s": {"base": base_tokens / ms * 1e3, "arm": tokens / (ms * (1 + overhead["median"] / 100)) * 1e3},
+            "tokens_per_s_ratio": {"median": ratio(overhead["median"]),
+                                   "ci95": [ratio(overhead["ci95"][1]), ratio(overhead["ci95"][0])]}}
 
 
 def comparison(common: dict, arms: list[Arm], k: int, records: list[dict]) -> dict:
@@ -440,6 +482,7 @@ def comparison(common: dict, arms: list[Arm], k: int, records: list[dict]) -> di
     arm = arms[k]
     res = dict(common, arm=arm.name, base=arms[0].name, options=arm.options, revision=arm.revision,
                null=arm.options is None, **compare(records, k))
+    res.update(tokens_per_s(res["overhead_pct"], arms[0].tokens, arm.tokens))
     ops = (common["op_cpu"] or {}).get("arms", {})
     if all(ops.get(a.name, {}).get("names_wrapped") for a in (arms[0], arm)):  # a null arm's: the A/A check
         res["pass_cpu"] = pass_cpu(ops[arms[0].name]["operators"], ops[arm.name]["operators"],
@@ -523,11 +566,7 @@ def exclusive(path: str | None, busy: str | None):
 def run(args, flags: list[str]) -> list[dict]:
     """Builds the arms, alternates their iterations, and returns one result a comparison (rank 0; others: [])."""
     torch, dist, bl = harness(args)
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_class_arguments(bl.Benchmark_litGPT)
-    kwargs = parser.parse_args(flags).as_dict()
+    kwargs = kwargs_of(flags)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     arms = parse_arms(args.arms, bl.device.type == "cuda")
@@ -538,6 +577,8 @@ def run(args, flags: list[str]) -> list[dict]:
     drawn = build_arms(torch, bl, arms, kwargs, passes, args, rank)
     failed = [a for a in arms if a.failed]
     arms = [a for a in arms if not a.failed]
+    for a in arms:
+        a.tokens = a.bench.micro_batch_size * a.bench.config.block_size * world_size
     if args.gpu_lock and bl.device.type == "cuda":  # built: give back what the warm-ups reserved while others build
         torch.cuda.empty_cache()
     with exclusive(args.gpu_lock, args.busy):
@@ -626,6 +667,8 @@ def main(argv: list[str] | None = None) -> None:
     json.loads(args.arms)
     if args.comm_stream and not (args.simulate and args.device == "cuda"):
         p.error("--comm-stream is for simulated ranks on CUDA (--simulate N): NCCL keeps its own stream")
+    if args.profile and any("flags" in (o or {}) for o in json.loads(args.arms).values()):
+        p.error("--profile runs one batch on every arm: not with an arm of flags of its own (another batch shape)")
     if args.comm_stream and any("revision" in (o or {}) for o in json.loads(args.arms).values()):
         p.error("--comm-stream patches this checkout's operators only: a \"revision\" arm would keep its gathers on "
                 "the compute stream")
