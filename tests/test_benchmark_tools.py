@@ -389,3 +389,80 @@ def test_call_cost_ops_makes_the_operators_of_this_version_and_times_each():
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(rows) >= {"fp8shard_compact, 1 view", "fp8shard_compact, 4 views", "fp8shard_audit, done",
                          "fp8shard_calibrate, done"}
+
+
+# ---- what the memory buys (benchmarks/capacity.py): the search's rules and the rows ------------------------------------
+
+import capacity  # noqa: E402
+
+GB = 10**9
+
+
+def _record(name, predicted, runs=(), status="done"):
+    """A configuration's record: its predicted peaks (side -> GB) and runs ((side, cap, fits, tokens/s, peak GB))."""
+    return {"config": name, "status": status, "predicted_peak_bytes": {s: p * GB for s, p in predicted.items()},
+            "runs": [{"side": s, "cap_gb": c, "fits": f, "tokens_per_s": t, "peak_bytes": pk * GB, "steps": 12}
+                     for s, c, f, t, pk in runs]}
+
+
+def test_a_side_runs_only_under_the_caps_its_prediction_fits_and_a_larger_micro_batch_only_after_a_smaller_fits():
+    assert capacity.caps_to_try(46.2 * GB, (40, 48, 80)) == [48, 80]
+    assert capacity.caps_to_try(80.6 * GB, (40, 48, 80)) == [] and capacity.caps_to_try(None, (48, 40)) == [40, 48]
+    c = capacity.Config.parse("fp8_s8192_mb4_full")
+    assert (c.setup, c.micro_batch, c.checkpointing, c.seq, c.name) == ("fp8_s8192", 4, False, 8192, "fp8_s8192_mb4_full")
+    assert "--micro_batch_size=4" in c.flags(32) and "--checkpoint_activations=false" in c.flags(32)
+    assert c.tokens_per_step(8) == 4 * 8192 * 8
+    mbs, caps = (1, 2, 4), (40, 48, 80)
+    assert capacity.compile_it(capacity.Config("fp8_s4096", 1, False), {}, mbs, caps) is True
+    assert capacity.compile_it(c, {}, mbs, caps) is None  # micro-batch 2's prediction not known yet
+    over = {"fp8_s8192_mb2_full": _record("fp8_s8192_mb2_full", {"with": 130, "without": 140})}
+    assert capacity.compile_it(c, over, mbs, caps) is False
+    fits = {"fp8_s8192_mb2_full": _record("fp8_s8192_mb2_full", {"with": 79, "without": 140})}
+    assert capacity.compile_it(c, fits, mbs, caps) is True
+    # pruned: mb2's without side (3 caps) and its with side under 40 and 48; a skipped configuration's 2 x 3 runs
+    assert capacity.pruned_runs({**fits, "x": {"status": "skipped", "runs": []}}, caps) == 5 + 6
+
+
+def test_an_out_of_memory_is_the_caps_where_the_device_had_the_bytes_free():
+    cap = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 30.50 GiB "
+           "is free. Process 1 has 48.6 GiB memory in use. 44.70 GiB allowed; Of the allocated memory ...")
+    assert capacity.oom_of_the_cap(cap)
+    assert not capacity.oom_of_the_cap(cap.replace("30.50 GiB is free", "512.00 MiB is free"))
+
+
+def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at_most_this_one(tmp_path):
+    records = {
+        "fp8_s4096_mb1_full": _record("fp8_s4096_mb1_full", {"with": 38.4, "without": 46.2}, [
+            ("with", 40, True, 90_000, 38.4), ("without", 48, True, 91_000, 46.2)]),
+        "fp8_s4096_mb4_ckpt": _record("fp8_s4096_mb4_ckpt", {"with": 12, "without": 20}, [
+            ("with", 40, True, 80_000, 12.0), ("without", 40, False, None, 39.9), ("without", 48, True, 79_000, 21)]),
+        "fp8_s4096_mb2_ckpt": _record("fp8_s4096_mb2_ckpt", {"with": 10, "without": 14}, [
+            ("with", 40, True, 70_000, 10.0), ("without", 40, True, 69_000, 14.0)]),
+    }
+    w = capacity.winners(records, "fp8_s4096", 40)
+    assert w["with"][0].name == "fp8_s4096_mb1_full" and w["without"][0].name == "fp8_s4096_mb2_ckpt"
+    w = capacity.winners(records, "fp8_s4096", 48)
+    assert w["with"][0].name == "fp8_s4096_mb1_full" and w["without"][0].name == "fp8_s4096_mb1_full"
+    for name, r in records.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    paired_dir = tmp_path / "paired"
+    paired_dir.mkdir()
+    (paired_dir / "cap40_fp8_s4096_with.json").write_text(json.dumps({
+        "tokens_per_s": {"base": 60_000, "arm": 84_000}, "tokens_per_s_ratio": {"median": 1.4, "ci95": [1.38, 1.42]}}))
+    (paired_dir / "cap40_fp8_s4096_null.json").write_text(json.dumps({"overhead_pct": {"ci95": [-0.1, 0.1]}}))
+    rows = capacity.rows(str(tmp_path), str(paired_dir), (40, 48))
+    r40, r48 = rows
+    assert (r40["cap_gb"], r40["with"]["micro_batch"], r40["with"]["checkpointing"]) == (40, 1, False)
+    assert (r40["without"]["micro_batch"], r40["without"]["checkpointing"], r40["without"]["peak_gb"]) == (2, True, 14.0)
+    assert r40["tokens_per_s_ratio"] == 1.4 and r40["ci95"] == [1.38, 1.42] and r40["null_overhead_ci95"] == [-0.1, 0.1]
+    assert r40["with"]["tokens_per_s"] == 84_000 and r40["with"]["tokens_per_s_from"] == "paired"
+    assert r48["same_configuration"] and r48["tokens_per_s_ratio"] is None
+    cmd = capacity.paired_command(r40, 32, 8, 40)
+    assert "--micro_batch_size=2" in cmd.split(" -- ")[1] and '"flags": [' in cmd and "--checkpoint_activations=true" in cmd
+    assert '"with": {}' in capacity.paired_command(r48, 32, 8, 40)  # the same configuration: the pass's own cost
+
+
+def test_tokens_per_second_carry_the_times_ci_over_to_their_ratio():
+    out = paired.tokens_per_s({"median": 25.0, "ci95": [20.0, 30.0], "base_median": 1000.0}, 1000, 2000)
+    assert out["tokens_per_s"] == {"base": 1000.0, "arm": 1600.0}
+    assert out["tokens_per_s_ratio"]["median"] == 1.6 and out["tokens_per_s_ratio"]["ci95"] == [2 / 1.3, 2 / 1.2]
