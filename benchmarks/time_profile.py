@@ -234,7 +234,7 @@ def run_paired(a) -> None:
     The profiler's own cost is in every figure (its ``record_function`` range and the operators it records): an empty
     operator (an audit after its first call) shows what that is on the machine.
     """
-    results = [load(f) for f in sorted(glob.glob(a.prefix + "_*.json"))]
+    results = [load(f) for f in sorted(glob.glob(a.prefix + "_*.json") + glob.glob(a.prefix + "_*.json.gz"))]
     results = [r for r in results if r.get("kind") == "paired"]
     print(f"# {os.path.basename(a.prefix)}\n\n{results[0]['design']}; {results[0]['communication']}; "
           f"base median {results[0]['overhead_pct']['base_median']:.1f} ms\n")

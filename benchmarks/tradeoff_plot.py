@@ -14,13 +14,15 @@ import glob
 import json
 import os
 
+from benchlib.reporting import load
+
 
 def points(prefix: str, exclude: frozenset[str] = frozenset()) -> list[dict]:
     """One point per arm with the pass among ``<prefix>_<arm>.json`` (the accuracy reports, A/A nulls and the arms
     named in ``exclude`` left out)."""
     out = []
-    for path in sorted(glob.glob(f"{prefix}_*.json")):
-        r = json.load(open(path))
+    for path in sorted(glob.glob(f"{prefix}_*.json") + glob.glob(f"{prefix}_*.json.gz")):  # older sittings' gzipped
+        r = load(path)
         if r.get("kind") != "paired" or r.get("null") or r["arm"] in exclude:
             continue
         o = r["overhead_pct"]
