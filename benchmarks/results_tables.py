@@ -157,15 +157,40 @@ def launches(root: Path, each_launch: bool = True, left_out: tuple[str, ...] = (
     return "\n".join(out) + "\n"
 
 
-PAGES = {"README.md": ("headline", "launches_short"), "docs/results.md": ("headline", "launches"),
-         f"{RESULTS}/EARLIER.md": ("older",)}
+def capacity(root: Path) -> str:
+    """``results/capacity.json`` (``capacity.py rows``): each cap and setup, each side's fastest configuration that fits
+    and the tokens/s ratio of the two, paired."""
+    d = json.loads((root / RESULTS / "capacity.json").read_text())
+    if d.get("kind") != "capacity":
+        raise ValueError(f"{RESULTS}/capacity.json: kind {d.get('kind')!r}, not 'capacity'")
+
+    def side(w: dict | None) -> str:
+        if w is None:
+            return "nothing fits"
+        star = "" if w["tokens_per_s_from"] == "paired" else "*"
+        return (f"mb{w['micro_batch']}{' ckpt' if w['checkpointing'] else ''}, {w['peak_gb']:.1f} GB, "
+                f"{w['tokens_per_s'] / 1e3:.1f}k{star}")
+
+    out = ["| cap (GB) | setup | without the pass: config, peak, tokens/s | with `ShardIntermediates()` | with / without "
+           "tokens/s [95% CI] |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        ratio = (f"{r['tokens_per_s_ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["tokens_per_s_ratio"]
+                 else "not timed yet")
+        setup = r["setup"].upper().replace("_", " ").replace("S", "s")
+        out.append(f"| {r['cap_gb']} | {setup} | {side(r['without'])} | {side(r['with'])}"
+                   f"{' (same)' if r['same_configuration'] else ''} | {ratio} |")
+    return "\n".join(out) + "\n\n*: the confirming run's, unpaired (beside other compilations), not evidence.\n"
+
+
+PAGES = {"README.md": ("headline", "launches_short", "capacity"), "docs/results.md": ("headline", "launches"),
+         f"{RESULTS}/EARLIER.md": ("older",), "docs/capacity.md": ("capacity",)}
 REGION = re.compile(r"(<!-- results:(\w+) begin[^>]*-->\n)(.*?)(<!-- results:\2 end -->)", re.S)
 
 
 def rendered(root: Path = ROOT) -> dict[str, str]:
     """Each page as the JSONs give it: its generated regions rewritten, the rest as it is."""
     tables = {"headline": headline(root), "launches": launches(root), "launches_short": launches(root, False, left_out=("broadcast",)),
-              "older": older(root)}
+              "older": older(root), "capacity": capacity(root)}
     pages = {}
     for page, names in PAGES.items():
         text = (root / page).read_text()
