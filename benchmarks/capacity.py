@@ -170,9 +170,10 @@ def _compile_only(thunder, bench, batch) -> None:
 
 
 @contextlib.contextmanager
-def gpu_turn(torch, dev, lock: str, need: int, timeout_s: float = 1800):
+def gpu_turn(torch, dev, lock: str, need: int, cores=None, timeout_s: float = 1800):
     """The GPU to this run alone (``lock``) once the device has ``need`` bytes free for it (other workers hold their
-    models meanwhile); yields the seconds waited."""
+    models meanwhile), on ``cores`` (CPUs no worker compiles on: the step's forward is CPU-bound); yields the seconds
+    waited."""
     start = time.perf_counter()
     with open(lock, "a") as f:
         while True:
@@ -184,9 +185,13 @@ def gpu_turn(torch, dev, lock: str, need: int, timeout_s: float = 1800):
                 break
             fcntl.flock(f, fcntl.LOCK_UN)
             time.sleep(3)
+        mine = os.sched_getaffinity(0)
+        if cores:
+            os.sched_setaffinity(0, cores)
         try:
             yield time.perf_counter() - start
         finally:
+            os.sched_setaffinity(0, mine)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
@@ -250,11 +255,18 @@ def worker(args) -> None:
     parser = ArgumentParser()
     parser.add_class_arguments(bl.Benchmark_litGPT)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    before = json.load(open(path)) if os.path.exists(path) else {}  # an earlier sitting's: its confirmed sides stand
+    kept = [r for r in before.get("runs", []) if fitted(before, r["side"]) is not None]
     record = {"kind": "capacity_config", "config": config.name, "setup": config.setup, "seq": config.seq,
               "micro_batch": config.micro_batch, "checkpointing": config.checkpointing, "flags": flags,
               "simulated": bool(args.simulate), "world_size": world_size, "device": device_name(),
-              "tokens_per_step": config.tokens_per_step(world_size), "status": "compiling", "runs": []}
+              "tokens_per_step": config.tokens_per_step(world_size), "status": "compiling", "runs": kept}
     _write(path, record)
+    if args.compile_cores:
+        os.sched_setaffinity(0, args.compile_cores)
+    busy = os.path.join(args.busy, config.name) if args.busy else None
+    if busy:
+        open(busy, "w").close()
     try:
         t = time.perf_counter()
         bench = bl.Benchmark_litGPT(**parser.parse_args(flags).as_dict())
@@ -265,6 +277,9 @@ def worker(args) -> None:
         predict, shard = ShardIntermediates(optimizer_states=OPTIMIZER_STATES), ShardIntermediates()
         shared_compile.programs(bench.model, base, predict)  # read for its predicted peaks alone
         with_pass, _ = shared_compile.programs(bench.model, base, shard)  # the user's: no options
+        if busy:
+            os.remove(busy)
+            busy = None
         p, q = predict.plans[-1], shard.plans[-1]
         record.update(
             status="compiled", compile_s=time.perf_counter() - t,
@@ -274,16 +289,23 @@ def worker(args) -> None:
             sharded=len(q.sharded), shard_ops=len({b.shard_op for b in q.buckets}))
         _write(path, record)
         cuda = bench.device.type == "cuda"
-        for side in SIDES:
+        for side in [s for s in SIDES if fitted(record, s) is None]:
             entries = with_pass if side == "with" else base
-            for cap in caps_to_try(record["predicted_peak_bytes"][side], args.caps) if cuda else [None]:
+            tries, retried = caps_to_try(record["predicted_peak_bytes"][side], args.caps) if cuda else [None], False
+            while tries:
+                cap = tries[0]
                 need = min(cap * 1e9, record["predicted_peak_bytes"][side] * 1.02 + 1.5e9) if cuda else 0
-                turn = gpu_turn(torch, bench.device, args.lock, need) if cuda else contextlib.nullcontext(0.0)
+                turn = gpu_turn(torch, bench.device, args.lock, need, args.run_cores) if cuda else (
+                    contextlib.nullcontext(0.0))
                 with turn as waited:
+                    beside = len(os.listdir(args.busy)) if args.busy else None  # workers compiling meanwhile
                     shared_compile.activate(bench.model, entries)
                     run = capped_run(torch, bench, args.steps, drawn, cap)
-                run.update(side=side, waited_s=waited, recompiled=len(shared_compile.entries(bench.model)) > len(
-                    entries))
+                run.update(side=side, waited_s=waited, compiling_beside=beside,
+                           recompiled=len(shared_compile.entries(bench.model)) > len(entries))
+                # the device's own out-of-memory (other workers' bytes) says nothing of the cap: once more, later
+                again = run["oom"] is not None and not run["oom_of_the_cap"] and not retried
+                tries, retried = tries if again else tries[1:], retried or again
                 timed = run["step_s"][2:]  # the first two: the program's first call and the optimizer's first step
                 run["fits"] = run["oom"] is None and run["steps"] == args.steps
                 run["tokens_per_s"] = record["tokens_per_step"] / sorted(timed)[len(timed) // 2] if timed else None
@@ -301,6 +323,8 @@ def worker(args) -> None:
         import traceback
 
         record.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+    if busy:
+        os.remove(busy)
     _write(path, record)
 
 
@@ -319,6 +343,10 @@ def search(args) -> None:
     todo = [c for c in configs if records().get(c.name, {}).get("status") not in ("done", "skipped")]
     running: dict[str, subprocess.Popen] = {}
     start = time.perf_counter()
+    busy = os.path.join(args.out, "compiling")
+    os.makedirs(busy, exist_ok=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    run_cores, compile_cores = cpus[:args.run_cores], cpus[args.run_cores:] or cpus  # the runs' own CPUs
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                TORCHINDUCTOR_COMPILE_THREADS=str(args.compile_threads))
     while todo or running:
@@ -339,7 +367,9 @@ def search(args) -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "worker", f"--config={c.name}", f"--out={args.out}",
                        f"--layers={args.layers}", f"--simulate={args.simulate}", f"--steps={args.steps}",
                        f"--device={args.device}", f"--lock={os.path.join(args.out, 'gpu.lock')}",
-                       f"--caps={','.join(map(str, args.caps))}", "--", *args.extra_flags]
+                       f"--caps={','.join(map(str, args.caps))}", f"--busy={busy}",
+                       f"--run-cores={','.join(map(str, run_cores))}",
+                       f"--compile-cores={','.join(map(str, compile_cores))}", "--", *args.extra_flags]
                 running[c.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
                 sitting["launched"].append(c.name)
                 todo.remove(c)
@@ -419,9 +449,14 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--micro-batches", type=ints, default=MICRO_BATCHES)
     s.add_argument("--parallel", type=int, default=8, help="workers at once (each compiles on a CPU core)")
     s.add_argument("--compile-threads", type=int, default=2, help="TORCHINDUCTOR_COMPILE_THREADS of a worker")
+    s.add_argument("--run-cores", type=int, default=4, help="CPUs kept for the run holding the GPU (no compilation)")
     w = sub.choices["worker"]
     w.add_argument("--config", required=True)
     w.add_argument("--lock", required=True)
+    w.add_argument("--busy", default=None, help="the folder of the workers compiling now (one file each)")
+    cores = lambda v: set(ints(v)) if v else None  # noqa: E731
+    w.add_argument("--run-cores", type=cores, default=None, help="the CPUs a run takes while it holds the GPU")
+    w.add_argument("--compile-cores", type=cores, default=None, help="the CPUs a worker compiles on")
     r = sub.add_parser("rows")
     r.add_argument("--search", required=True, help="a search's folder")
     r.add_argument("--paired", default=None, help="the folder of the winners' paired JSONs")

@@ -111,7 +111,7 @@ def test_the_calibration_adds_what_the_resident_memory_grew_since_compilation(re
              MemoryTerm(OPTIMIZER, MODELLED if optimizer else UNKNOWN, "", ((0, 7, optimizer),) if optimizer else ())]
     plan, report, clock = _plan(), RunReport(), StepClock()
     plan = dataclasses.replace(plan, terms=tuple(terms))
-    probe = Readings(1150, allocated=[300, 1000], capacity=(8000, 0.25))
+    probe = Readings(1150, allocated=[300, 1000], capacity=(8000, 0.25, 1500))
     clock.allocated = lambda: probe.allocated("cuda:0")
     audit = SavedAudit(plan, report, [], [], clock)
     calibration = Calibration(plan, report, "cuda:0", None, clock, on_miss=None, audit=audit, probe=probe)
@@ -127,4 +127,5 @@ def test_the_calibration_adds_what_the_resident_memory_grew_since_compilation(re
                 "at compilation +700 B that the resident memory grew since beyond the plan's terms (the optimizer's "
                 "state, unless optimizer_states said it), error +50 B (+4.55%)") in text
     assert ("capacity: 1.95 KiB (2,000 B), the cap set on this process (0.25 of the device's 7.81 KiB (8,000 B)); "
-            "headroom at the peak 850 B") in text
+            "headroom at the peak 850 B allocated, 500 B reserved (the allocator's cache, which a cap limits: a step "
+            "runs out of memory when it cannot grow)") in text

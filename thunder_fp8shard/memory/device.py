@@ -129,13 +129,15 @@ def allocated(device: str | None) -> int | None:
     return None if device is None or not torch.cuda.is_available() else torch.cuda.memory_allocated(torch.device(device))
 
 
-def capacity(device: str | None) -> tuple[int, float] | None:
-    """The device's total bytes and the fraction of them this process may allocate
-    (``torch.cuda.set_per_process_memory_fraction``; 1.0 unless set); None on the CPU."""
+def capacity(device: str | None) -> tuple[int, float, int] | None:
+    """The device's total bytes, the fraction of them this process may allocate
+    (``torch.cuda.set_per_process_memory_fraction``; 1.0 unless set; it limits the allocator's reserved bytes), and the
+    reserved bytes' peak; None on the CPU."""
     if device is None or not torch.cuda.is_available():
         return None
     dev = torch.device(device)
-    return torch.cuda.get_device_properties(dev).total_memory, torch.cuda.get_per_process_memory_fraction(dev)
+    return (torch.cuda.get_device_properties(dev).total_memory, torch.cuda.get_per_process_memory_fraction(dev),
+            torch.cuda.max_memory_reserved(dev))
 
 
 class DeviceProbe:
@@ -151,5 +153,5 @@ class DeviceProbe:
     def allocated(self, device: str | None) -> int | None:
         return allocated(device)
 
-    def capacity(self, device: str | None) -> tuple[int, float] | None:
+    def capacity(self, device: str | None) -> tuple[int, float, int] | None:
         return capacity(device)

@@ -113,7 +113,9 @@ def run_time_lines(report: RunReport) -> list[str]:
             cap = "the device's" if c.memory_fraction >= 1 else (
                 f"the cap set on this process ({c.memory_fraction:.4g} of the device's {fmt_bytes(c.total_bytes)})")
             out.append(f"capacity: {fmt_bytes(c.capacity_bytes)}, {cap}; headroom at the peak "
-                       f"{fmt_bytes(c.capacity_bytes - c.measured_peak_bytes)}")
+                       f"{fmt_bytes(c.capacity_bytes - c.measured_peak_bytes)} allocated, "
+                       f"{fmt_bytes(c.capacity_bytes - c.reserved_peak_bytes)} reserved (the allocator's cache, which a "
+                       "cap limits: a step runs out of memory when it cannot grow)")
     if report.checks_removed is not None:
         out.append(f"first-call checks: {report.checks_removed}")
     if report.runs_per_step and report.runs_per_step > 1:

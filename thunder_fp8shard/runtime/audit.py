@@ -201,11 +201,11 @@ class Calibration:
         predicted = None if compiled is None else compiled + (unseen or 0)
         error = measured - predicted if predicted is not None else None
         missed = self.budget_bytes is not None and measured > self.budget_bytes
-        total, fraction = self.probe.capacity(self.device) or (None, None)
+        total, fraction, reserved = self.probe.capacity(self.device) or (None, None, None)
         self.report.calibration = CalibrationReading(
             measured, mine, predicted, error, None if not predicted else 100.0 * error / predicted, CALIBRATION_AT,
             budget_missed=missed, compiled_peak_bytes=compiled, resident_growth_bytes=unseen, total_bytes=total,
-            memory_fraction=fraction)
+            memory_fraction=fraction, reserved_peak_bytes=reserved)
         if missed:
             self.missed = True
             warnings.warn(

@@ -52,6 +52,7 @@ class CalibrationReading:
     resident_growth_bytes: int | None = None  # None: not read (the CPU), or resident_bytes given
     total_bytes: int | None = None  # the device's
     memory_fraction: float | None = None  # of total_bytes this process may allocate
+    reserved_peak_bytes: int | None = None  # this rank's allocator's (what the fraction limits)
 
     @property
     def capacity_bytes(self) -> int | None:
