@@ -388,7 +388,7 @@ def search(args) -> None:
 
 def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
     """One row a cap and setup (see the module docstring); the tokens/s ratio and its CI from the paired run of the
-    two winners where one exists (``<paired_dir>/cap<cap>_<setup>_with.json``)."""
+    two winners where one exists (``<paired_dir>/<pair>_with.json``, :func:`pair_name`)."""
     records = {r["config"]: r for f in sorted(os.listdir(search_dir)) if f.endswith(".json") and f != "search.json"
                for r in [json.load(open(os.path.join(search_dir, f)))]}
     out = []
@@ -404,8 +404,8 @@ def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
                 "steps": w[1]["steps"], "tokens_per_s": w[1]["tokens_per_s"], "tokens_per_s_from": "confirming run"}
         row["same_configuration"] = None not in won.values() and won["with"][0] == won["without"][0]
         row["tokens_per_s_ratio"], row["ci95"] = None, None
-        paired = os.path.join(paired_dir or "", f"cap{cap}_{setup}_with.json")
-        if paired_dir and os.path.exists(paired):
+        paired = os.path.join(paired_dir or "", f"{pair_name(row)}_with.json")
+        if paired_dir and None not in won.values() and os.path.exists(paired):
             p = json.load(open(paired))
             for side, key in (("without", "base"), ("with", "arm")):
                 if row[side] is not None:
@@ -418,15 +418,26 @@ def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
     return out
 
 
-def paired_command(row: dict, layers: int, simulate: int, timed: int) -> str | None:
-    """The ``paired.py`` launch that times a row's two winners (None: a side has none)."""
-    if row["without"] is None or row["with"] is None:
-        return None
+def pair_name(row: dict) -> str:
+    """A row's winners, ``<without>__<with>``: the name of their paired run (rows with the same winners share it)."""
+    return f"{row['without']['config']}__{row['with']['config']}"
+
+
+def paired_commands(rows_: list[dict], layers: int, simulate: int, timed: int) -> list[str]:
+    """The ``paired.py`` launches that time the rows' winners, each pair once: first the pairs of two
+    configurations (where the pass changes the winner), then those of one (the pass's own cost)."""
+    pairs = {pair_name(r): r for r in rows_ if r["without"] is not None and r["with"] is not None}
+    ordered = sorted(pairs.values(), key=lambda r: r["same_configuration"])
+    return [paired_command(r, layers, simulate, timed) for r in ordered]
+
+
+def paired_command(row: dict, layers: int, simulate: int, timed: int) -> str:
+    """The ``paired.py`` launch that times a row's two winners."""
     base, mine = Config.parse(row["without"]["config"]), Config.parse(row["with"]["config"])
     arm = {} if base == mine else {"flags": mine.flags(layers)}
     arms = json.dumps({"without": None, "null": None, "with": arm})
     return (f"python3 benchmarks/paired.py --simulate {simulate} --timed {timed} --one-model --arms '{arms}' "
-            f"--out $R/paired/cap{row['cap_gb']}_{row['setup']} -- {' '.join(base.flags(layers))}")
+            f"--out $R/paired/{pair_name(row)} -- {' '.join(base.flags(layers))}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -472,8 +483,8 @@ def main(argv: list[str] | None = None) -> None:
         return worker(args)
     out = rows(args.search, args.paired, args.caps)
     if args.commands:
-        for row in out:
-            print(paired_command(row, 32, 8, 40) or f"# cap {row['cap_gb']} {row['setup']}: a side has no winner")
+        print("\n".join(paired_commands(out, 32, 8, 40)))
+        return
     result = {"kind": "capacity", "simulated": True, "rows": out}
     if args.out:
         _write(args.out, result)

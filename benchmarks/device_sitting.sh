@@ -3,7 +3,7 @@
 # `benchmarks/device_sitting.sh collect` (a tarball into $OUT). The sittings before it, with the job lists they ran:
 # the NOTES.md of their results' folders, listed in benchmarks/results/README.md. Usage, on the device machine, after
 # `source .dev-whl/device-setup.sh` (a sitting with a "revision" arm: carry .rev/):
-#   benchmarks/device_sitting.sh start s33  # launches the sitting's jobs (returns at once)
+#   benchmarks/device_sitting.sh start s34  # launches the sitting's jobs (returns at once)
 #   benchmarks/device_sitting.sh collect    # waits up to $WAIT seconds for them, then tars what exists into $OUT
 # The jobs of a sitting compile side by side but time alone: every paired run removes its file under $R/busy when
 # its arms are built, waits until that folder is empty (nothing else compiling or running) and takes $R/gpu.lock
@@ -34,14 +34,23 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s33 (next): the capacity search (capacity.py: every configuration's both sides under the caps their predictions fit;
-# 32 layers, simulated N=8; resumable: a later sitting carries the folder back as $R/capacity and goes on).
-# Still to come: the winners' paired timing (capacity.py rows --commands prints the launches), FP8 at seq 8192's
-# launch, and the calls made again (ops._Again) with the GPU module.
+# s34 (next): the capacity search resumed from s33's records (five configurations' runs), then the winners' paired
+# runs one after another, the pairs of two configurations first (capacity.py rows --commands). A later sitting carries
+# this one's records back the same way. Still to come: FP8 at seq 8192's launch; the calls made again (ops._Again).
 capacity_search() {
   python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} > "$R/logs/capacity.log" 2>&1
   echo "capacity_search rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
+}
+
+capacity_timing() {  # after the search: each pair of winners timed alone, one after another
+  rm -f "$R/busy/$JOB"
+  until grep -q "capacity_search rc=" "$R/logs/done" 2>/dev/null; do sleep 10; done
+  python3 benchmarks/capacity.py rows --search "$R/capacity" --commands > "$R/logs/paired_commands.sh" 2> "$R/logs/rows.err"
+  local k=0 cmd
+  while read -r cmd; do k=$((k + 1)); eval "$cmd" > "$R/logs/paired_$k.log" 2>&1; echo "pair $k exit=$?" >> "$R/logs/done"; done \
+    < "$R/logs/paired_commands.sh"
+  echo "capacity_timing rc=0" >> "$R/logs/done"
 }
 
 launch() {  # job names (the functions above): each in the background, every busy file made first, each run from a
@@ -52,7 +61,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests capacity_search capacity_timing "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -62,8 +71,9 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/logs/device.txt" 2>&1
     case "${2:-}" in
       # one after another after the first build (each waits for the one before it to finish)
-      s33) launch capacity_search; echo 1 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s33"; exit 2 ;;
+      s34) mkdir -p "$R/capacity" && cp benchmarks/results/h100_2026-12-07/s33/capacity/*.json "$R/capacity/"
+           launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s34"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -75,5 +85,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s33|collect"; exit 2 ;;
+  *) echo "usage: $0 start s34|collect"; exit 2 ;;
 esac

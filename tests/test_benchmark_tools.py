@@ -447,9 +447,9 @@ def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     paired_dir = tmp_path / "paired"
     paired_dir.mkdir()
-    (paired_dir / "cap40_fp8_s4096_with.json").write_text(json.dumps({
+    (paired_dir / "fp8_s4096_mb2_ckpt__fp8_s4096_mb1_full_with.json").write_text(json.dumps({
         "tokens_per_s": {"base": 60_000, "arm": 84_000}, "tokens_per_s_ratio": {"median": 1.4, "ci95": [1.38, 1.42]}}))
-    (paired_dir / "cap40_fp8_s4096_null.json").write_text(json.dumps({"overhead_pct": {"ci95": [-0.1, 0.1]}}))
+    (paired_dir / "fp8_s4096_mb2_ckpt__fp8_s4096_mb1_full_null.json").write_text(json.dumps({"overhead_pct": {"ci95": [-0.1, 0.1]}}))
     rows = capacity.rows(str(tmp_path), str(paired_dir), (40, 48))
     r40, r48 = rows
     assert (r40["cap_gb"], r40["with"]["micro_batch"], r40["with"]["checkpointing"]) == (40, 1, False)
@@ -460,6 +460,9 @@ def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at
     cmd = capacity.paired_command(r40, 32, 8, 40)
     assert "--micro_batch_size=2" in cmd.split(" -- ")[1] and '"flags": [' in cmd and "--checkpoint_activations=true" in cmd
     assert '"with": {}' in capacity.paired_command(r48, 32, 8, 40)  # the same configuration: the pass's own cost
+    cmds = capacity.paired_commands([r48, r40, r40], 32, 8, 40)  # each pair once, two configurations first
+    assert len(cmds) == 2 and '"flags"' in cmds[0] and cmds[1].endswith(capacity.Config.parse(
+        "fp8_s4096_mb1_full").flags(32)[-1]) and "--out $R/paired/fp8_s4096_mb1_full__fp8_s4096_mb1_full " in cmds[1]
 
 
 def test_tokens_per_second_carry_the_times_ci_over_to_their_ratio():
