@@ -72,13 +72,14 @@ def test_reduce_scatter_method_into_a_shared_shard_op_is_exact(on_ranks):
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
-    assert [(b.nbytes, b.shard_op) for b in plan.buckets] == [(1525, 0), (2867, 0), (329, 1)]
+    assert [(b.nbytes, b.shard_op) for b in plan.buckets] == [(1525, 0), (2867, 0), (329, 0)]  # one op, 3 buckets
     assert plan.comm == "shared"
 
 
 def test_thunder_distributed_fsdp_api_verify_and_a_size_cap(on_ranks):
     # in order of first backward use (the recomputed dequantizations come first) the weight copies hold 1,525,
-    # 2,867 and 329 bytes: a 3,200-byte cap keeps the first two in shard ops of their own. Gathered with prefetch=2,
+    # 2,867 and 329 bytes: a 3,200-byte cap keeps the first two in buckets of their own (one shard op keeps both:
+    # the cap bounds the all-gathers, not the shard ops). Gathered with prefetch=2,
     # each copy would be back (with gloo's temporary of its size) at the backward's peak and raise it: policy "all"
     # would shard none
     options = {"min_bytes": 0, "verify": True, "prefetch": 0, "bucket_bytes": 3200, "comm": "dedicated"}
@@ -87,7 +88,7 @@ def test_thunder_distributed_fsdp_api_verify_and_a_size_cap(on_ranks):
     _check_exact(results)
     _check_saved_bytes_drop_as_planned(results)
     plan = results[0][1].plans[0]
-    assert [(b.nbytes, b.shard_op) for b in plan.buckets][:2] == [(1525, 0), (2867, 1)] and plan.comm == "dedicated"
+    assert [(b.nbytes, b.shard_op) for b in plan.buckets][:2] == [(1525, 0), (2867, 0)] and plan.comm == "dedicated"
 
 
 def test_all_candidates_shards_the_gathered_full_precision_weights_too(on_ranks):

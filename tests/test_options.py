@@ -47,18 +47,19 @@ def test_the_signature_is_shard_options_fields_keyword_only_with_their_defaults(
     ]
     assert str(inspect.signature(ShardIntermediates)).startswith("(*, candidates: 'str' = 'auto', min_bytes: 'int' = 1")
     doc = ShardIntermediates.__doc__  # the options are written once: the docstring points to them
-    assert "ShardOptions" in doc and "README" in doc and not any(f"- ``{f.name}``: " in doc for f in fields)
+    assert "ShardOptions" in doc and "docs/options.md" in doc and not any(f"- ``{f.name}``: " in doc for f in fields)
     compact = list(inspect.signature(CompactSavedViews).parameters)
     assert compact == list(CompactSavedViews.OPTIONS) and set(compact) < {f.name for f in fields}
 
 
-def test_the_readme_shows_the_signature_and_every_option():
+def test_the_readme_shows_the_signature_and_docs_options_every_option():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
+    options_page = (Path(__file__).parents[1] / "docs" / "options.md").read_text()
     line = next(line for line in readme.splitlines() if line.startswith("`ShardIntermediates(*,"))
     args = ast.parse(f"def f{line.strip('`').removeprefix('ShardIntermediates')}: pass").body[0].args
     shown = [(a.arg, eval(compile(ast.Expression(d), "README", "eval"))) for a, d in zip(args.kwonlyargs, args.kw_defaults)]
     assert shown == [(f.name, f.default) for f in dataclasses.fields(ShardOptions)]
-    assert all(f"| `{f.name}` |" in readme for f in dataclasses.fields(ShardOptions))
+    assert all(f"| `{f.name}` |" in options_page for f in dataclasses.fields(ShardOptions))
 
 
 def test_every_option_reaches_shard_options(single_rank_group):

@@ -93,15 +93,17 @@ def test_the_pass_does_not_import_its_test_support():
     assert support and not reaching, f"modules of the pass that import thunder_fp8shard.testing: {sorted(reaching)}"
 
 
-def test_the_readme_names_every_file_of_the_package_and_only_those():
-    readme = (PACKAGE.parent / "README.md").read_text()
-    section = readme.split("## How it works\n", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`(\w+\.py)`", section))  # bare file names (not tests/...)
+def test_the_architecture_page_names_every_file_of_the_package_and_only_those():
+    """docs/architecture.md is the package's map (the README's "How it works" names the folders and links it)."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`(\w+\.py)`", page))  # bare file names (not tests/...)
     files = {p.name for p in PACKAGE.rglob("*.py")}
     subpackages = {f"{p.parent.name}/" for p in PACKAGE.glob("*/__init__.py")}
-    assert files - named == set(), "files the README's layout does not name"
-    assert named - files == set(), "files the README's layout names that do not exist"
-    assert all(f"| `{d}` |" in section for d in subpackages)
+    assert files - named == set(), "files the architecture page does not name"
+    assert named - files == set(), "files the architecture page names that do not exist"
+    assert all(f"`{d}`" in page for d in subpackages)
+    readme = (PACKAGE.parent / "README.md").read_text().split("## How it works\n", 1)[1].split("\n## ", 1)[0]
+    assert "docs/architecture.md" in readme and all(f"`{d}`" in readme for d in subpackages - {"testing/"})
 
 
 def test_the_transform_runs_the_stages_only_through_compile_plan():

@@ -263,6 +263,67 @@ def test_a_merge_needs_headroom_under_the_predicted_peak(monkeypatch):
     assert [b.members for b in group(FREE_SOUND, model, prefetch=0, bucket_bytes=1024, k=2)] == [("W2", "W1")]
 
 
+# four layers: steps 0-9 forward, 10-19 backward. Layer i's weight copy Wi (512 B) and activation Ai (2,000 B) are made
+# at step 2i+1 and held to its backward at 18-2i: the live bytes climb through the forward and fall through the backward
+LAYER_STEPS = tuple(Step(i, "forward" if i < 10 else "backward", f"op{i}") for i in range(20))
+LAYER_MODEL = MemoryModel(
+    {"X": Life("X", ("X",), 1000, 0, 19), **{f"{n}{i}": Life(f"{n}{i}", (f"{n}{i}",), nbytes, 2 * i + 1, 18 - 2 * i)
+                                            for i in range(4) for n, nbytes in (("A", 2000), ("W", 512))}},
+    LAYER_STEPS, {f"W{i}": Placement(f"W{i}", 2 * i + 1, 18 - 2 * i) for i in range(4)}, compute=(True,) * 20)
+LAYER_SOUND = [Decision(f"W{i}", (512,), "float8_e4m3fn", "float8", 512, True, True, "", 256) for i in range(4)]
+
+
+def _layer_plan(buckets):
+    return ShardPlan.of(2, "slice", "all", 0, decisions=LAYER_SOUND, buckets=buckets, bucket_bytes=512,
+                        integration="Thunder FSDP (ZeRO-3)")
+
+
+def test_shard_ops_merge_beyond_bucket_bytes_wherever_the_predicted_peak_does_not_rise(monkeypatch):
+    """A shard op holds its members' full copies until it runs and its shard until its last bucket's wait, no gathered
+    buffer: bucket_bytes bounds the buckets alone (one tensor each here), and the ops of the forward's first layers,
+    far under the peak, become one. W2 joining W3's op would hold W3's shard to W2's wait (step 14): 256 B more at the
+    peak (step 12), so the plan says the predicted peak stopped that merge."""
+    from thunder_fp8shard.planning import grouping
+
+    buckets = group(LAYER_SOUND, LAYER_MODEL, prefetch=0, bucket_bytes=512, k=2)
+    assert [(b.members, b.shard_op, b.merge_stop) for b in buckets] == [
+        (("W3",), 0, ""), (("W2",), 1, grouping.PEAK), (("W1",), 1, ""), (("W0",), 1, "")]
+    assert shard_op_nbytes(buckets) == {0: 256, 1: 768}  # 3 x 256 B kept by one op, over bucket_bytes' 512 B
+    alone = place([[d] for d in LAYER_SOUND[::-1]], range(4), LAYER_MODEL, prefetch=0, k=2)  # one op a bucket
+    assert LAYER_MODEL.evaluate(buckets).peak_bytes == LAYER_MODEL.evaluate(alone).peak_bytes == 10536
+    assert [b.shard_at for b in buckets] == [7, 5, 5, 5]  # W1's and W0's full copies held to W2's last forward use
+    text = plan_text(_layer_plan(buckets))
+    assert "in 4 bucket(s) of at most 512 B kept by 2 shard op(s); merges stopped by: the predicted peak 1 (before " \
+           "op 1)" in text
+    # the margin is the model's accuracy: where the raised bytes come within it of the peak, the ops stay apart
+    monkeypatch.setattr(grouping, "MODEL_ACCURACY", 0.5)
+    apart = group(LAYER_SOUND, LAYER_MODEL, prefetch=0, bucket_bytes=512, k=2)
+    assert [(b.shard_op, b.merge_stop) for b in apart] == [(0, ""), (1, grouping.PEAK), (2, grouping.PEAK),
+                                                         (3, grouping.PEAK)]
+
+
+def test_a_shard_op_merge_stops_at_a_forward_input_shard_and_where_a_gather_would_lose_its_compute():
+    """A bucket whose shard is a forward input has no shard op: the ops on either side of it stay apart. V, last used
+    at the forward's last step (9) and first at 13, joining W3's op would move W3's shard op to step 9, with nothing
+    but bookkeeping (steps 10, 11) before W3's gather at 12."""
+    from thunder_fp8shard.planning import grouping
+
+    own = [replace(d, shard_source="p1") if d.name == "W1" else d for d in LAYER_SOUND]
+    buckets = group(own, LAYER_MODEL, prefetch=0, bucket_bytes=512, k=2)
+    assert [(b.members, b.shard_op, b.merge_stop) for b in buckets] == [
+        (("W3",), 0, ""), (("W2",), 1, grouping.PEAK), (("W1",), 2, grouping.INPUT), (("W0",), 3, grouping.INPUT)]
+    assert "kept by 3 shard op(s) and 1 parameter shard(s) the forward all-gathered (no copy); merges stopped by: " \
+           "the predicted peak 1 (before op 1), a forward-input shard 2 (before op 2, 3)" in plan_text(
+               _layer_plan(buckets))
+    model = replace(LAYER_MODEL, lives={**LAYER_MODEL.lives, "V": Life("V", ("V",), 64, 9, 13)},
+                    placements={**LAYER_MODEL.placements, "V": Placement("V", 9, 13)},
+                    compute=tuple(i not in (10, 11) for i in range(20)))
+    v = Decision("V", (64,), "float8_e4m3fn", "float8", 64, True, True, "", 32)
+    buckets = group([*LAYER_SOUND, v], model, prefetch=0, bucket_bytes=64, k=2)
+    assert [(b.members, b.merge_stop) for b in buckets][:2] == [(("W3",), ""), (("V",), grouping.BETWEEN)]
+    assert all(model.compute_steps_between(b.shard_at, b.gather_at) > 0 for b in buckets)
+
+
 # W4 (40 B) is last used in forward at 1 and first in backward at 7, the spike: its shard (held to its wait) and its
 # gathered copy are both live there, 20 B more than W4 alone
 RAISING_MODEL = replace(MODEL, lives={**LIVES, "W4": Life("W4", ("W4",), 40, 1, 7)},

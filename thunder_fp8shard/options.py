@@ -26,7 +26,7 @@ class ShardOptions:
         the fewest gathered bytes bringing the peak to ``budget_bytes``.
     budget_bytes: the per-rank device peak ``policy="budget"`` aims at.
     prefetch: how many buckets ahead of its use a backward all-gather is issued.
-    bucket_bytes: the most payload bytes of one bucket or shard op; 0: one tensor each.
+    bucket_bytes: the most payload bytes of one bucket (backward all-gather); 0: one tensor a bucket and a shard op.
     resident_bytes: device bytes alive outside the program all step; None: measured while compiling.
     optimizer_states: optimizer state tensors a trained parameter (they do not exist yet at the first compilation);
         None: left out, and the plan says so.

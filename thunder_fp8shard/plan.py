@@ -149,6 +149,9 @@ class Bucket:
     # the forward inputs that are this rank's shards of its members: no shard op and no bytes kept, one coalesced
     # all-gather of them. Empty: a shard op's bucket
     sources: tuple[str, ...] = ()
+    # the first bucket of a shard op after the first: why the previous op did not take it (grouping.STOPS; "": not
+    # decided here, e.g. the model's agreed layout)
+    merge_stop: str = ""
 
 
 @dataclass(frozen=True)

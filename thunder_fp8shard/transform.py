@@ -61,7 +61,7 @@ class ShardIntermediates(Transform):
     draws the predicted memory timelines.
 
     Options: keyword-only, the fields of :class:`~thunder_fp8shard.options.ShardOptions` with its defaults, validated
-    at construction; the README's "Options" table says what each does. :meth:`inject` replaces what the pass reads of
+    at construction; docs/options.md says what each does. :meth:`inject` replaces what the pass reads of
     the world.
     """
 

@@ -1,7 +1,9 @@
 """Which sharded tensors travel together: buckets (one all-gather each) and shard ops (one forward op keeping the shards
-of consecutive buckets). Larger groups cost the CPU less but hold more bytes at once, so, in order of first backward
-use, a tensor joins the current group only within ``bucket_bytes``, with compute left to hide the gather, and where the
-model predicts any extra bytes stay :data:`HEADROOM` below the peak."""
+of consecutive buckets). Larger groups cost the CPU less but hold more bytes at once. In order of first backward use, a
+tensor joins the current bucket only within ``bucket_bytes``, with compute left to hide the gather, and where the model
+predicts any extra bytes stay :data:`HEADROOM` below the peak. A shard op holds its members' full copies only until it
+runs, not a gathered buffer, so shard ops merge on their own terms: no ``bucket_bytes``, and extra bytes only where the
+model predicts :data:`MODEL_ACCURACY` of the peak to spare; each refused merge says why (:data:`STOPS`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,13 @@ from thunder_fp8shard.planning.layout import bucket_layout, packed_offsets, sour
 from thunder_fp8shard.memory.model import MemoryModel
 from thunder_fp8shard.plan import Bucket, Compaction, Decision
 
-HEADROOM = 0.05  # a merge may add bytes only where the model predicts this fraction of its peak to spare
+HEADROOM = 0.05  # a bucket merge may add bytes only where the model predicts this fraction of its peak to spare
+# a shard-op merge may add bytes only where the model predicts this fraction of its peak to spare: the memory model's
+# error on the device, predicted less measured peak (benchmarks/plan_accuracy.py; Llama-2-7b, 32 layers, the defaults:
+# FP8 -0.29%, bf16 +0.07%, benchmarks/results/h100_2026-12-05/s*/paired/*_accuracy_default.json, docs/memory_model.md)
+MODEL_ACCURACY = 0.003
+PEAK, BETWEEN, INPUT = "the predicted peak", "no compute between", "a forward-input shard"
+STOPS = (PEAK, BETWEEN, INPUT)  # why a shard op did not take the next bucket (Bucket.merge_stop)
 
 
 def prefetched_by(j: int, prefetch: int) -> int | None:
@@ -78,43 +86,54 @@ def group(chosen: Sequence[Decision], model: MemoryModel, *, prefetch: int, buck
     live_bytes = lambda trial: base + model.change(trial)  # noqa: E731
     reference = live_bytes(build(singles, range(len(singles))))
     ceiling = (1 - HEADROOM) * reference.max()
-    fits = lambda trial: _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling)  # noqa: E731
 
-    # tensors whose shards are forward inputs travel apart (one coalesced all-gather) and are shard ops of their own
-    mixed = lambda run: len({bool(d.shard_source) for d in run}) > 1  # noqa: E731
-    own = lambda run: len(run) > 1 and any(d.shard_source for d in run)  # noqa: E731
-    buckets = _grow(
-        singles, lambda run: sum(d.nbytes for d in run) <= bucket_bytes and not mixed(run),
-        lambda parts: fits(build([[d for b in p for d in b] for p in parts], range(len(parts)))),
-    )
+    def bucket_stop(run, parts) -> str | None:  # tensors whose shards are forward inputs travel apart (one all-gather)
+        if sum(d.nbytes for d in run) > bucket_bytes or len({bool(d.shard_source) for d in run}) > 1:
+            return "bucket_bytes or a forward-input shard"
+        trial = build([[d for b in p for d in b] for p in parts], range(len(parts)))
+        return None if _idle_everywhere(trial, model) and _free(live_bytes(trial), reference, ceiling) else PEAK
+
+    buckets, _ = _grow(singles, bucket_stop)
     merged = [[d for b in p for d in b] for p in buckets]
-    # shard ops: consecutive buckets whose shards one op keeps
-    by_op = _grow(
-        [[j] for j in range(len(merged))],
-        lambda run: sum(d.nbytes for j in run for d in merged[j]) <= bucket_bytes and not own(
-            [d for j in run for d in merged[j]]),
-        lambda parts: fits(build(merged, [op for op, p in enumerate(parts) for j in p for _ in j])),
-    )
-    return build(merged, [op for op, p in enumerate(by_op) for j in p for _ in j])
+    # shard ops: consecutive buckets whose shards one op keeps, where the peak does not rise (their full copies are held
+    # until the op runs, its shard until its last bucket's wait)
+    ops_of = lambda parts: [op for op, p in enumerate(parts) for j in p for _ in j]  # noqa: E731
+    alone = live_bytes(build(merged, range(len(merged))))
+    margin = (1 - MODEL_ACCURACY) * alone.max()
+
+    def op_stop(run, parts) -> str | None:  # a bucket whose shards are forward inputs has no shard op
+        if any(d.shard_source for j in run for d in merged[j]):
+            return INPUT
+        if not _idle_everywhere(trial := build(merged, ops_of(parts)), model):
+            return BETWEEN
+        return None if _free(live_bytes(trial), alone, margin) else PEAK
+
+    by_op, stops = _grow([[j] for j in range(len(merged))], op_stop)
+    firsts = {sum(map(len, by_op[:i])): why for i, why in enumerate(stops, 1)}
+    return [replace(b, merge_stop=firsts.get(b.index, "")) for b in build(merged, ops_of(by_op))]
 
 
-def _grow(items: list[list], small_enough: Callable[[list], bool], ok: Callable[[list[list[list]]], bool]) -> list[list[list]]:
-    """Greedy left-to-right runs: an item joins while the run is ``small_enough`` and ``ok`` accepts the grouping."""
+def _grow(items: list[list], stop: Callable[[list, list[list[list]]], str | None]
+          ) -> tuple[list[list[list]], list[str]]:
+    """Greedy left-to-right runs: an item joins the current run unless ``stop`` gives a reason, given the run's elements
+    with it and the whole grouping (the items after it alone). The runs, and why each after the first began."""
     done: list[list[list]] = []
+    stops: list[str] = []
     current = [items[0]]
     for k in range(1, len(items)):
         trial = current + [items[k]]
-        if small_enough([x for item in trial for x in item]) and ok([*done, trial, *([i] for i in items[k + 1 :])]):
+        if (why := stop([x for item in trial for x in item], [*done, trial, *([i] for i in items[k + 1 :])])) is None:
             current = trial
         else:
             done.append(current)
+            stops.append(why)
             current = [items[k]]
     done.append(current)
-    return done
+    return done, stops
 
 
 def _free(live: np.ndarray, reference: np.ndarray, ceiling: float) -> bool:
-    """Wherever ``live`` holds more than ``reference`` (one tensor a bucket), it stays under ``ceiling``."""
+    """Wherever ``live`` holds more than ``reference`` (the grouping before the merges), it stays under ``ceiling``."""
     raised = live > reference
     return not raised.any() or live[raised].max() <= ceiling
 

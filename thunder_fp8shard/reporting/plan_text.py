@@ -32,8 +32,8 @@ def plan_text(plan: ShardPlan, report: RunReport | None = None) -> str:
             f"ShardIntermediates plan: {plan.integration or 'no distributed setup'}, world size {plan.world_size}, "
             f"{_shard_group_words(plan)}, method {plan.method}, policy {plan.policy}, "
             f"prefetch {plan.prefetch}; {len(plan.sharded)} of {len(plan.decisions)} candidates sharded, "
-            + (f"in {len(plan.buckets)} bucket(s) kept by {_shard_op_words(plan)}, "
-               f"each of at most {fmt_bytes(plan.bucket_bytes)}" if plan.bucket_bytes else "one tensor a bucket")
+            + (f"in {len(plan.buckets)} bucket(s) of at most {fmt_bytes(plan.bucket_bytes)} kept by "
+               f"{_shard_op_words(plan)}" if plan.bucket_bytes else "one tensor a bucket")
             + f", on {_group_words(plan)}; the pass took {plan.pass_seconds:.2f} s",
             *table(header, rows),
         ]
@@ -156,10 +156,17 @@ def _forward_gather_lines(plan: ShardPlan) -> list[str]:
 
 
 def _shard_op_words(plan: ShardPlan) -> str:
-    """How many shard ops keep the buckets' shards, and how many buckets' shards are forward inputs instead."""
+    """How many shard ops keep the buckets' shards, how many buckets' shards are forward inputs instead, and what
+    stopped each merge of consecutive shard ops (the op numbers of the buckets they did not take)."""
     own = sum(len(b.sources) for b in plan.buckets)
     ops = len({b.shard_op for b in plan.buckets if not b.sources})
-    return f"{ops} shard op(s)" + (f" and {own} parameter shard(s) the forward all-gathered (no copy)" if own else "")
+    stops: dict[str, list[str]] = {}
+    for b in plan.buckets:
+        if b.merge_stop:
+            stops.setdefault(b.merge_stop, []).append(str(b.shard_op))
+    return f"{ops} shard op(s)" + (f" and {own} parameter shard(s) the forward all-gathered (no copy)" if own else "") \
+        + ("; merges stopped by: " + ", ".join(f"{why} {len(at)} (before op {', '.join(at)})"
+                                             for why, at in stops.items()) if stops else "")
 
 
 def _shard_group_words(plan: ShardPlan) -> str:
