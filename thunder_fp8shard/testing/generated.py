@@ -1,6 +1,6 @@
 """Small generated models for the property test, run on one rank with and without the pass. The step's peak is the
-profiler's CPU allocation events replayed (:func:`allocation_peak`): exact for what the step allocates, and what it
-leaves out is the same in both runs."""
+profiler's CPU allocation events replayed (:func:`~thunder_fp8shard.testing.measure.cpu_peak`): exact for what the step
+allocates, and what it leaves out is the same in both runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from thunder_fp8shard.testing.measure import saved_bytes
+from thunder_fp8shard.testing.measure import cpu_peak, saved_bytes
 from thunder_fp8shard.testing.toy_models import FP8WeightLinear, fake_fp8_linear
 
 LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")  # drawn; "checkpoint" only where a case names it
@@ -95,29 +95,6 @@ def _relu_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(F.linear(x, w))
 
 
-def allocation_peak(prof) -> int:
-    """The most bytes tensors allocated while ``prof`` recorded held at once (frees matched by address; frees of earlier
-    blocks left out)."""
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, int(e.extra_fields.alloc_size), int(e.extra_fields.ptr)))
-        stack.extend(e.children)
-    live: dict[int, int] = {}
-    now = peak = 0
-    for _, size, ptr in sorted(events, key=lambda ev: ev[0]):
-        if size > 0:
-            live[ptr] = size
-            now += size
-            peak = max(peak, now)
-        elif ptr in live:
-            now -= live.pop(ptr)
-    return peak
-
-
 def run_case(rank: int, world_size: int, case: Case) -> dict:
     """One rank's runs of ``case`` without the pass (key None) and with it for each of ``case.candidates``: gradients,
     saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plans (none without the pass)."""
@@ -148,14 +125,14 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         for _ in range(PEAK_STEPS):  # after the compiling step; the first includes the pass's calibration
             for p in (*jm.parameters(), x):
                 p.grad = None
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with cpu_peak() as peak:
                 with saved_bytes() as saved:
                     y = jm(x)
                 loss = F.mse_loss(y, target)
                 del y
                 loss.backward()
                 del loss
-            peaks.append(allocation_peak(prof))
+            peaks.append(peak.bytes)
         grads = {n: _local(p.grad).detach().clone() for n, p in jm.named_parameters()}
         grads["input"] = x.grad.detach().clone()
         out[candidates] = dict(grads=grads, saved=saved.total, peak=min(peaks), plans=list(shard.plans))
