@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import fresh_clone  # noqa: E402
 import thunder_litgpt  # noqa: E402
 import time_profile  # noqa: E402
 from benchlib import revisions, stats, steps  # noqa: E402
@@ -389,3 +390,13 @@ def test_call_cost_ops_makes_the_operators_of_this_version_and_times_each():
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(rows) >= {"fp8shard_compact, 1 view", "fp8shard_compact, 4 views", "fp8shard_audit, done",
                          "fp8shard_calibrate, done"}
+
+
+def test_fresh_clone_reads_pytests_summary_and_finds_its_regions():
+    out = "...\n== 297 passed, 5 skipped, 2 warnings in 122.34s (0:02:02) ==\n"
+    assert fresh_clone.counts(out) == {"passed": 297, "skipped": 5, "warnings": 2, "seconds": 122.34}
+    assert fresh_clone.counts("1 failed, 296 passed, 5 skipped in 108.17s (0:01:48)\n")["passed"] == 296
+    assert fresh_clone.minutes(122.6) == "2 min 3 s" and fresh_clone.minutes(17.4) == "17 s"
+    for page, names in fresh_clone.PAGES.items():  # each page has its regions; nothing measured changes nothing
+        text = (fresh_clone.ROOT / page).read_text()
+        assert fresh_clone.rewrite(text, {}, names, page) == text
