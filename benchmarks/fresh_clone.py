@@ -6,7 +6,7 @@ test counts, the times, the environment's size, the commit and the machine.
     python benchmarks/fresh_clone.py --venv /path/to/.venv  # an existing one (its creation is not timed)
 
 A region lies between ``<!-- figures:NAME begin -->`` and ``<!-- figures:NAME end -->``; the text around it is written
-by hand. The machine's load average is given with the times: other jobs on it lengthen them.
+by hand. The machine's load average after each run is given with the times: other jobs on it lengthen them.
 """
 
 from __future__ import annotations
@@ -48,10 +48,14 @@ def machine(py: str) -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {version}"
 
 
+LOADS: list[float] = []  # the 1-minute load average after each command
+
+
 def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seconds = time.perf_counter() - start
+    LOADS.append(os.getloadavg()[0])
     if done.returncode:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}")
     return seconds, done.stdout
@@ -79,17 +83,16 @@ def measure(rev: str, venv: str | None) -> dict[str, str]:
             setup = "existing (not timed)"
         else:
             setup = f"{minutes(timed(make + ['setup'], clone, env)[0])} (`make setup`)"
-        load = os.getloadavg()[0]
         py = str(clone / ".venv" / "bin" / "python")
         quick_s, quick = timed([py, "examples/quickstart.py"], clone, env)
         demo_s, _ = timed([py, "-m", "thunder_fp8shard.demo"], clone, env)
         fast_s, fast = timed(make + ["test"], clone, env)
         every_s, every = timed(make + ["test-all"], clone, env)
-        load = max(load, os.getloadavg()[0])
         site = next((clone / ".venv" / "lib").glob("python3*/site-packages"))
         total = size_gb(clone / ".venv")
         cuda = sum(size_gb(site / d) for d in ("nvidia", "triton") if (site / d).exists())
-        where = f"{date.today()}, commit {sha}, {machine(py)}; load average up to {load:.1f} while it ran"
+        loads = ", ".join(f"{x:.1f}" for x in LOADS)
+        where = f"{date.today()}, commit {sha}, {machine(py)}; 1-minute load average after each run {loads}"
     fast, every = counts(fast), counts(every)
     tests = lambda c: f"{c['passed']} passed, {c.get('skipped', 0)} skipped, {c.get('warnings', 0)} warnings"  # noqa
     suite = "\n".join([
