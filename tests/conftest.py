@@ -9,6 +9,9 @@ import torch.distributed as dist
 # a torch.compile region the pass cannot replay fails the test instead of a warning (thunder_fp8shard.analysis.aliasing); set
 # before the rank pool's fork server starts, so its workers have it too
 os.environ.setdefault("THUNDER_FP8SHARD_STRICT_REPLAY", "1")
+# the processes the tests start (ranks, notebook kernels) import Thunder, which warns that TransformerEngine is missing
+# (pyproject's filterwarnings is this process's)
+os.environ.setdefault("PYTHONWARNINGS", "ignore:transformer_engine module not found")
 
 
 @pytest.fixture(scope="session")

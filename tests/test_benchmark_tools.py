@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import fresh_clone  # noqa: E402
 import thunder_litgpt  # noqa: E402
 import time_profile  # noqa: E402
 from benchlib import revisions, stats, steps  # noqa: E402
@@ -469,3 +470,11 @@ def test_tokens_per_second_carry_the_times_ci_over_to_their_ratio():
     out = paired.tokens_per_s({"median": 25.0, "ci95": [20.0, 30.0], "base_median": 1000.0}, 1000, 2000)
     assert out["tokens_per_s"] == {"base": 1000.0, "arm": 1600.0}
     assert out["tokens_per_s_ratio"]["median"] == 1.6 and out["tokens_per_s_ratio"]["ci95"] == [2 / 1.3, 2 / 1.2]
+def test_fresh_clone_reads_pytests_summary_and_finds_its_regions():
+    out = "...\n== 297 passed, 5 skipped, 2 warnings in 122.34s (0:02:02) ==\n"
+    assert fresh_clone.counts(out) == {"passed": 297, "skipped": 5, "warnings": 2, "seconds": 122.34}
+    assert fresh_clone.counts("1 failed, 296 passed, 5 skipped in 108.17s (0:01:48)\n")["passed"] == 296
+    assert fresh_clone.minutes(122.6) == "2 min 3 s" and fresh_clone.minutes(17.4) == "17 s"
+    for page, names in fresh_clone.PAGES.items():  # each page has its regions; nothing measured changes nothing
+        text = (fresh_clone.ROOT / page).read_text()
+        assert fresh_clone.rewrite(text, {}, names, page) == text

@@ -4,14 +4,16 @@ checkpointed mix), under Thunder FSDP ZeRO-3 and ZeRO-2, Thunder DDP and FSDP2 u
 ``candidates="fp8"``, ``"all"`` and the default ``"auto"``, on 2 gloo ranks. With the
 pass: gradients bitwise those of the run without it (and non-zero), the bytes the plan says the forward saves (each
 storage once) those measured, before and after, and the step's measured allocation peak never above the run
-without it (the profiler's CPU allocation events: exact on the CPU, see the generator's docstring)."""
+without it (the profiler's CPU allocation events: exact on the CPU, see the generator's docstring). And over
+generated models trained with gradient accumulation: ``candidates="all"`` never predicts a higher peak than the default."""
 
+import random
 from dataclasses import replace
 
 import pytest
 
 from thunder_fp8shard.reporting.plan_text import verdict
-from thunder_fp8shard.testing.generated import Case, run_case
+from thunder_fp8shard.testing.generated import Case, plans_with_accumulation, run_case
 
 pytestmark = pytest.mark.multirank
 
@@ -59,3 +61,40 @@ def test_never_worse_and_exact_on_generated_models(on_ranks):
             ("DDP", "all", "float8"), ("DDP", "auto", "float8"), ("ZERO3", "auto", "float8"),
             ("FSDP2", "auto", "float8"), ("FSDP2", "all", "float8"),
             ("ZERO3 checkpointed", "auto", "float8")} <= sharded, sharded
+
+
+def _floor_case(seed: int, setup: str) -> Case:
+    """A drawn mix between a linear (an embedding) and an FP8 copy of its weight (a head tied to it), with a
+    checkpointed block somewhere."""
+    case, rng = Case.draw(seed, setup), random.Random(seed)
+    layers = list(case.layers)
+    layers.insert(rng.randrange(len(layers) + 1), "checkpoint")
+    return replace(case, layers=("linear", *layers, "tied_fp8"), candidates=("auto", "all"), d=rng.choice((32, 64)),
+                   batch=(2, rng.choice((4, 8))))
+
+
+# the first model found where "all" shared nothing and the default an FP8 copy (the same predicted peak, less freed),
+# then drawn ones: tied weights, checkpointed blocks and aliases (views, expands, shared weights) under each setup
+FLOOR_CASES = [Case(0, "ZERO3", ("linear", "shared", "tied_fp8", "fp8"), candidates=("auto", "all"), batch=(2, 8)),
+               *(_floor_case(seed, setup) for seed in (1, 2) for setup in ("ZERO3", "ZERO2", "DDP"))]
+
+
+def _floor_plans(rank, world_size, cases):
+    return [plans_with_accumulation(rank, world_size, case) for case in cases]
+
+
+def test_all_candidates_never_predict_a_higher_peak_than_the_default(on_ranks):
+    """``candidates="all"`` considers the default's candidates and more: with gradient accumulation (a program with
+    and one without the gradients' reduction under Thunder FSDP), every plan's predicted peak is at most the default's,
+    it frees at least as much where the peaks are equal, and where it leaves out a tensor the default shards, its plan
+    says why."""
+    for rank, runs in enumerate(on_ranks(_floor_plans, 2, FLOOR_CASES)):
+        for case, run in zip(FLOOR_CASES, runs):
+            assert len(run["auto"]) == len(run["all"]) >= 1, case
+            for default, every in zip(run["auto"], run["all"]):
+                where = f"rank {rank}, {case}: {verdict(default)} / {verdict(every)}"
+                assert every.peak_bytes_after <= default.peak_bytes_after, where
+                if every.peak_bytes_after == default.peak_bytes_after:
+                    assert every.saved_bytes_after <= default.saved_bytes_after, where
+                left_out = {d.name for d in default.sharded} - {d.name for d in every.sharded}
+                assert not left_out or any(n.startswith('candidates="all"') for n in every.notes), where

@@ -8,7 +8,7 @@ Run: ``python -m thunder_fp8shard.demo [--world-size N] [--plot PATH]``.
 from __future__ import annotations
 
 import argparse
-import warnings
+import os
 
 from thunder_fp8shard.reporting.plan_text import plan_text
 from thunder_fp8shard.reporting.plot import plot_plan
@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--plot", default="out/demo_timeline.png", help="where to save the memory timeline plot")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", message="transformer_engine module not found")
+    # the ranks import Thunder, which warns that TransformerEngine is missing (this process was warned on import)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:transformer_engine module not found")
 
     # the training loop's plain SGD keeps no optimizer state
     cfg = RunConfig(widths=(256, 512, 384, 64), batch_sizes=(8, 12, 8), options={"optimizer_states": 0})
@@ -43,8 +44,6 @@ def main(argv=None) -> int:
             f"all non-zero: {'yes' if nonzero else 'no'}"
         )
     if args.plot:
-        import os
-
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         plot_plan(plan, args.plot, report)
         print(f"\nMemory timeline plot: {args.plot}")

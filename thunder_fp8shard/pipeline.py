@@ -125,7 +125,7 @@ def analysis_of(program: Program, effect: Effect, device: DeviceMemory | None, e
     replication = None if setup is None else replication_analysis(fw, setup.group, setup.replicated_inputs(fw),
                                                                    setup.input_reasons(fw))
     return Analysis(tuple(effect.candidates), model, replication, facts.saved_names, facts.model_io,
-                    saved_bytes_by_dtype(facts.saved, facts.te_names), effect.sources)
+                    saved_bytes_by_dtype(facts.saved, facts.te_names), effect.sources, effect.defaults)
 
 
 def _planned(fw: TraceCtx, *, bw: TraceCtx, options: ShardOptions, setup, shards, device, te_names,

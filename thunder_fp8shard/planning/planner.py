@@ -36,6 +36,7 @@ class Analysis:
     model_io: frozenset[str]  # the caller keeps them alive
     saved_by_dtype: dict[str, int] = field(default_factory=dict)
     sources: Mapping[str, str] = field(default_factory=dict)  # candidate -> the forward input that is its shard
+    defaults: frozenset[str] | None = None  # candidates="all": those the default would consider (its choice: a floor)
 
 
 ONE_RANK = "the shard group has one rank (world size 1, or shard_group_size=1): there is nothing to shard over"
@@ -81,11 +82,37 @@ def soundness(
 
 def decide(analysis: Analysis, options: ShardOptions, k: int, chooser=None) -> Choice:
     """The one decision of a compilation: the policy over every rewrite's items (``chooser``: :func:`choose`, the agreed
-    layout's, or a test's)."""
+    layout's, or a test's). Under ``candidates="all"`` the policy's choice among the default's candidates alone is a
+    floor, kept where it predicts a lower peak, or as low with more freed; the plan says where the two differ."""
+    chooser = chooser or choose
     sound = [] if analysis.replication is None else soundness(
         list(analysis.candidates), analysis.replication, set(analysis.model_io), options, k, analysis.model,
         set(analysis.saved_names), analysis.sources)
-    return (chooser or choose)(sound, analysis.model, options, k)
+    choice = chooser(sound, analysis.model, options, k)
+    if analysis.defaults is None or chooser is not choose or options.policy == "budget":
+        return choice
+    extras = {d.name for d in sound if d.sharded and d.name not in analysis.defaults}
+    floor = choose([replace(d, sharded=False) if d.name in extras else d for d in sound], analysis.model, options, k)
+    (peak, freed), (low, most) = _outcome(choice, analysis.model), _outcome(floor, analysis.model)
+    nums = f"{peak:,} B and {freed:,} B freed with every candidate, {low:,} B and {most:,} B with the default's alone"
+    if (low, -most) < (peak, -freed):  # the floor, the other candidates left out
+        why = f"the default's candidates alone predict a lower peak, or as low with more saved freed ({nums})"
+        return replace(floor, decisions=[_not_sharded(e, f"left out: {why}") if e.name in extras else e
+                                         for e in floor.decisions], notes=[*floor.notes, f'candidates="all": {why}'])
+    taken = {d.name for d in choice.decisions if d.sharded}
+    if fewer := sorted(d.name for d in floor.decisions if d.sharded and d.name not in taken):
+        choice = replace(choice, notes=[*choice.notes, f'candidates="all" leaves out {", ".join(fewer)}, which the '
+                                        f"default's candidates alone shard (predicted peak and bytes freed: {nums})"])
+    return choice
+
+
+def _outcome(choice: Choice, model: MemoryModel) -> tuple[int, int]:
+    """The predicted peak of ``choice`` and the saved bytes it frees (sharded storages less their shards, and what
+    compactions free)."""
+    taken = [c for c in choice.compactions if c.compacted]
+    freed = (sum(model.life_of[n].nbytes for b in choice.buckets for n in b.members)
+             - sum(b.shard_nbytes for b in choice.buckets) + sum(c.freed_bytes for c in taken))
+    return int(model.evaluate(choice.buckets, taken, rewritten=choice.resized).peak_bytes), freed
 
 
 def make_plan(analysis: Analysis, options: ShardOptions, choice: Choice, agreed: Sequence[AgreedValue] = ()) -> dict:
@@ -98,8 +125,7 @@ def make_plan(analysis: Analysis, options: ShardOptions, choice: Choice, agreed:
     program_after = model.evaluate(buckets, taken, terms=False, rewritten=resized)
     life_of = model.life_of
     saved_before = sum(life.nbytes for life in {life_of[n].name: life_of[n] for n in analysis.saved_names}.values())
-    saved_after = (saved_before - sum(life_of[n].nbytes for b in buckets for n in b.members)
-                   + sum(b.shard_nbytes for b in buckets) - sum(c.freed_bytes for c in taken))
+    saved_after = saved_before - _outcome(choice, model)[1]
     budget = options.budget_bytes if options.policy == "budget" else None
     return dict(
         decisions=tuple(choice.decisions), buckets=tuple(buckets), compactions=tuple(choice.compactions),

@@ -23,14 +23,15 @@ def sites(program: Program) -> dict[str, str]:
 
 def effect(program: Program, effect: Effect) -> Effect:
     """Under "auto": FP8 copies, plus tensors whose shards are inputs already where worth it, unless the setup keeps
-    them gathered on purpose (ZeRO-2)."""
+    them gathered on purpose (ZeRO-2). Under "all": every candidate, and those "auto" would consider (``defaults``)."""
     candidates, sources = effect.candidates, program.sites["own_shards"]
+    inputs_too = program.setup is not None and not program.setup.keeps_gathered
+    auto = tuple(c for c in candidates if c.kind != TENSOR or (
+        inputs_too and c.name in sources and c.payload_bytes >= AUTO_INPUT_SHARD_MIN_BYTES))
     if program.options.candidates == "auto":
-        inputs_too = program.setup is not None and not program.setup.keeps_gathered
-        candidates = tuple(c for c in candidates if c.kind != TENSOR or (
-            inputs_too and c.name in sources and c.payload_bytes >= AUTO_INPUT_SHARD_MIN_BYTES))
-        sources = {n: s for n, s in sources.items() if n in {c.name for c in candidates}}
-    return replace(effect, candidates=candidates, sources=sources)
+        candidates, sources = auto, {n: s for n, s in sources.items() if n in {c.name for c in auto}}
+    defaults = frozenset(c.name for c in auto) if program.options.candidates == "all" else None
+    return replace(effect, candidates=candidates, sources=sources, defaults=defaults)
 
 
 OWN_SHARDS = Rewrite("own_shards", sites, effect)  # the planner marks them, the shard rewrite gathers them

@@ -51,6 +51,7 @@ class Effect:
     # the forward rewrite's resize items, by key: the bytes moved they change, the new bytes of the proxies they resize
     resized: Mapping[str, tuple[int, Mapping[str, int]]] = field(default_factory=dict)
     compactions: tuple[Compaction, ...] = ()
+    defaults: frozenset[str] | None = None  # candidates="all": the candidates the default ("auto") would consider
 
 
 @dataclass(frozen=True)

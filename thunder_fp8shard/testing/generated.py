@@ -1,6 +1,6 @@
 """Small generated models for the property test, run on one rank with and without the pass. The step's peak is the
-profiler's CPU allocation events replayed (:func:`allocation_peak`): exact for what the step allocates, and what it
-leaves out is the same in both runs."""
+profiler's CPU allocation events replayed (:func:`~thunder_fp8shard.testing.measure.cpu_peak`): exact for what the step
+allocates, and what it leaves out is the same in both runs."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from thunder_fp8shard.testing.measure import saved_bytes
+from thunder_fp8shard.testing.measure import cpu_peak, saved_bytes
 from thunder_fp8shard.testing.toy_models import FP8WeightLinear, fake_fp8_linear
 
-LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")  # drawn; "checkpoint" only where a case names it
+LAYERS = ("linear", "layer_norm", "expand", "view", "fp8", "shared")  # drawn; "checkpoint", "tied_fp8" where named
 # a tensor a collective's thread frees a moment late can overlap one step's peak (seen in 1 of 12 runs of 4 steps);
 # the lowest of a few steps is the step's own
 PEAK_STEPS = 8
@@ -53,7 +53,8 @@ class _Layer(nn.Module):
 class Generated(nn.Module):
     """``case.layers`` in order, a ``tanh`` after each: ``linear``, ``layer_norm``, ``expand``, ``view`` (a weight
     reshaped), ``fp8`` (:class:`FP8WeightLinear`), ``shared`` (the first linear weight again), ``checkpoint`` (a
-    linear and a relu recomputed in the backward)."""
+    linear and a relu recomputed in the backward), ``tied_fp8`` (the first linear weight again, as a checkpointed FP8
+    copy: an embedding tied to an FP8 head)."""
 
     def __init__(self, case: Case):
         super().__init__()
@@ -63,7 +64,8 @@ class Generated(nn.Module):
         self.fp8_by_checkpoint = case.setup == "FSDP2"
         layers, linear_before = [], False
         for kind in case.layers:
-            own_weight = kind in ("linear", "view", "fp8", "checkpoint") or (kind == "shared" and not linear_before)
+            tied = kind in ("shared", "tied_fp8")
+            own_weight = kind in ("linear", "view", "fp8", "checkpoint") or (tied and not linear_before)
             layers.append(_Layer(d, own_weight, kind in ("linear", "layer_norm", "expand")))
             linear_before = linear_before or kind == "linear"
         self.layers = nn.ModuleList(layers)
@@ -85,6 +87,8 @@ class Generated(nn.Module):
                 x = fake_fp8_linear(x, w, None) if self.fp8_by_checkpoint else FP8WeightLinear.apply(x, w)
             elif kind == "checkpoint":
                 x = checkpoint(_relu_linear, x, w, use_reentrant=False)
+            elif kind == "tied_fp8":
+                x = fake_fp8_linear(x, first if first is not None else w, None)
             else:  # "shared"
                 x = F.linear(x, first if first is not None else w)
             x = torch.tanh(x)
@@ -93,29 +97,6 @@ class Generated(nn.Module):
 
 def _relu_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(F.linear(x, w))
-
-
-def allocation_peak(prof) -> int:
-    """The most bytes tensors allocated while ``prof`` recorded held at once (frees matched by address; frees of earlier
-    blocks left out)."""
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, int(e.extra_fields.alloc_size), int(e.extra_fields.ptr)))
-        stack.extend(e.children)
-    live: dict[int, int] = {}
-    now = peak = 0
-    for _, size, ptr in sorted(events, key=lambda ev: ev[0]):
-        if size > 0:
-            live[ptr] = size
-            now += size
-            peak = max(peak, now)
-        elif ptr in live:
-            now -= live.pop(ptr)
-    return peak
 
 
 def run_case(rank: int, world_size: int, case: Case) -> dict:
@@ -148,17 +129,49 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
         for _ in range(PEAK_STEPS):  # after the compiling step; the first includes the pass's calibration
             for p in (*jm.parameters(), x):
                 p.grad = None
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            with cpu_peak() as peak:
                 with saved_bytes() as saved:
                     y = jm(x)
                 loss = F.mse_loss(y, target)
                 del y
                 loss.backward()
                 del loss
-            peaks.append(allocation_peak(prof))
+            peaks.append(peak.bytes)
         grads = {n: _local(p.grad).detach().clone() for n, p in jm.named_parameters()}
         grads["input"] = x.grad.detach().clone()
         out[candidates] = dict(grads=grads, saved=saved.total, peak=min(peaks), plans=list(shard.plans))
+    return out
+
+
+def plans_with_accumulation(rank: int, world_size: int, case: Case, micro_batches: int = 2) -> dict:
+    """One rank's plans of ``case`` with each of ``case.candidates`` over a step of ``micro_batches`` micro-batches,
+    the gradients accumulated; under Thunder FSDP the first without the gradients' reduction
+    (``skip_data_parallel_grad_sync``). Under DDP every micro-batch all-reduces: without it the others compile a
+    program with the same forward and other collectives, which the pass refuses (docs/setups.md)."""
+    import contextlib
+
+    import thunder
+    from thunder.distributed import FSDPType, ddp, skip_data_parallel_grad_sync
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    from thunder_fp8shard import ShardIntermediates
+
+    out = {}
+    for candidates in case.candidates:
+        torch.manual_seed(case.seed)
+        shard = ShardIntermediates(candidates=candidates, min_bytes=512)
+        if case.setup == "DDP":
+            jm = ddp(thunder.jit(Generated(case), transforms=[shard]))
+        else:
+            fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
+            jm = thunder.jit(Generated(case), transforms=[fsdp, shard])
+        gen = torch.Generator().manual_seed(1000 * rank + case.seed)
+        for micro in range(micro_batches):
+            x = torch.randn(*case.batch, case.d, generator=gen, requires_grad=True)
+            last = micro == micro_batches - 1 or case.setup == "DDP"
+            with contextlib.nullcontext() if last else skip_data_parallel_grad_sync():
+                F.mse_loss(jm(x), torch.zeros_like(x)).backward()
+        out[candidates] = list(shard.plans)
     return out
 
 

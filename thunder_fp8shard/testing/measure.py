@@ -1,8 +1,10 @@
-"""Measuring what autograd really keeps for backward: distinct storages of the saved tensors, in bytes."""
+"""Measuring what autograd really keeps for backward (distinct storages of the saved tensors, in bytes) and a CPU step's
+allocation peak (the profiler's allocation events)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -48,3 +50,45 @@ def saved_bytes() -> Iterator[SavedBytes]:
             yield record
     finally:
         record.close()
+
+
+def allocation_peak(prof) -> int:
+    """The most bytes tensors allocated while ``prof`` recorded held at once (frees matched by address; frees of earlier
+    blocks left out)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, int(e.extra_fields.alloc_size), int(e.extra_fields.ptr)))
+        stack.extend(e.children)
+    live: dict[int, int] = {}
+    now = peak = 0
+    for _, size, ptr in sorted(events, key=lambda ev: ev[0]):
+        if size > 0:
+            live[ptr] = size
+            now += size
+            peak = max(peak, now)
+        elif ptr in live:
+            now -= live.pop(ptr)
+    return peak
+
+
+class CpuPeak:
+    bytes: int = 0  # set when the block ends
+
+
+@contextlib.contextmanager
+def cpu_peak() -> Iterator[CpuPeak]:
+    """``with cpu_peak() as p: step()``, then ``p.bytes`` is the most bytes the tensors allocated on the CPU inside held
+    at once (:func:`allocation_peak`; there is no device allocator to ask on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    # Kineto logs "gpuGetDeviceCount failed" at its start where torch's CUDA libraries find no GPU; one cycle only, so
+    # acc_events changes nothing but torch's warning that events are cleared at the end of each
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    record = CpuPeak()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
+        yield record
+    record.bytes = allocation_peak(prof)
