@@ -36,7 +36,12 @@ gpu_tests() {
 
 # s34 (next): the capacity search resumed from s33's records (five configurations' runs), then the winners' paired
 # runs one after another, the pairs of two configurations first (capacity.py rows --commands). A later sitting carries
-# this one's records back the same way. Still to come: FP8 at seq 8192's launch; the calls made again (ops._Again).
+# this one's records back the same way.
+# s35 (after it, issue #62): the GPU module on main (shard ops merged on their own terms, fd27371) beside the FP8
+# default's launch (fp8 below: its plan's shard-op count, at most 8, and its peaks, 46.18 -> 38.41 GB); then the calls
+# made again (ops._Again, branch i62's e913711): `git archive -o .rev/again.tar e913711 thunder_fp8shard tests`
+# here, carry .rev, untar it into $R/again there and run the GPU module in it; then bf16's launch and FP8 at seq 8192.
+fp8() { paired fp8_l32_n8_s35 "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 capacity_search() {
   python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} > "$R/logs/capacity.log" 2>&1
   echo "capacity_search rc=$?" >> "$R/logs/done"
@@ -61,7 +66,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests capacity_search capacity_timing "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests capacity_search capacity_timing fp8 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -73,7 +78,8 @@ case "${1:-}" in
       # one after another after the first build (each waits for the one before it to finish)
       s34) mkdir -p "$R/capacity" && cp benchmarks/results/h100_2026-12-07/s33/capacity/*.json "$R/capacity/"
            launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s34"; exit 2 ;;
+      s35) export GPU_TEST_WORKERS=12; launch gpu_tests fp8; echo 2 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s34|s35"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -85,5 +91,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s34|collect"; exit 2 ;;
+  *) echo "usage: $0 start s34|s35|collect"; exit 2 ;;
 esac
