@@ -39,8 +39,8 @@ gpu_tests() {
 # this one's records back the same way.
 # s35 (after it, issue #62): the GPU module on main (shard ops merged on their own terms, fd27371) beside the FP8
 # default's launch (fp8 below: its plan's shard-op count, at most 8, and its peaks, 46.18 -> 38.41 GB); then the calls
-# made again (ops._Again, branch i62's e913711): `git archive -o .rev/again.tar e913711 thunder_fp8shard tests`
-# here, carry .rev, untar it into $R/again there and run the GPU module in it; then bf16's launch and FP8 at seq 8192.
+# made again (ops._Again: pending/ops_again.patch, not landed): a copy of the tree there with `patch -p1 <
+# pending/ops_again.patch` applied, the GPU module run in it; then bf16's launch and FP8 at seq 8192.
 fp8() { paired fp8_l32_n8_s35 "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 capacity_search() {
   python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} > "$R/logs/capacity.log" 2>&1
