@@ -242,18 +242,15 @@ def worker(args) -> None:
     import torch.distributed as dist
     import thunder
     import thunder.benchmarks.benchmark_litgpt as bl
-    from jsonargparse import ArgumentParser
 
     from benchlib import shared_compile
     from benchlib.reporting import device_name
-    from benchlib.steps import batches
+    from benchlib.steps import batches, kwargs_of
     from thunder_fp8shard import ShardIntermediates
 
     if args.device == "cpu":
         bl.device = torch.device("cpu")
     torch.set_float32_matmul_precision("high")  # as the benchmark's __main__
-    parser = ArgumentParser()
-    parser.add_class_arguments(bl.Benchmark_litGPT)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     before = json.load(open(path)) if os.path.exists(path) else {}  # an earlier sitting's: its confirmed sides stand
     kept = [r for r in before.get("runs", []) if fitted(before, r["side"]) is not None]
@@ -269,7 +266,7 @@ def worker(args) -> None:
         open(busy, "w").close()
     try:
         t = time.perf_counter()
-        bench = bl.Benchmark_litGPT(**parser.parse_args(flags).as_dict())
+        bench = bl.Benchmark_litGPT(**kwargs_of(flags))
         bench.train_data_iter = bench.train_dataloader = None  # batches are drawn here (steps.batches)
         drawn = batches(bench, 0)
         _compile_only(thunder, bench, drawn[0])

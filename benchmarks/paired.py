@@ -75,7 +75,7 @@ from benchlib.patches import on_the_cpu, pass_appended, pass_gathers_on_their_ow
 from benchlib.reporting import accuracy_reports, device_name, flag, plan_summary, results_table, split_argv
 from benchlib.revisions import import_revision
 from benchlib.stats import compare, op_summary, pass_cpu, quad_schedule
-from benchlib.steps import GcLog, batches, profile_steps, step, timed_iteration
+from benchlib.steps import GcLog, batches, kwargs_of, profile_steps, step, timed_iteration
 
 # ---- the arms -------------------------------------------------------------------------------------------------------
 
@@ -167,16 +167,6 @@ def relative_budget(resident_now: int, base_peak: int, base_before: int, below: 
 
 
 # ---- building the arms ------------------------------------------------------------------------------------------------
-
-
-def kwargs_of(flags: list[str]) -> dict:
-    """``Benchmark_litGPT``'s arguments from the benchmark's flags, as its command line parses them."""
-    import thunder.benchmarks.benchmark_litgpt as bl
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_class_arguments(bl.Benchmark_litGPT)
-    return parser.parse_args(flags).as_dict()
 
 
 

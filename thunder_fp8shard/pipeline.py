@@ -261,6 +261,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
     collective, and raises where its collectives would differ."""
     layouts = layouts if layouts is not None else Layouts()
     clock = clock if clock is not None else StepClock()
+    clock.allocated = functools.partial(seams.device_probe.allocated, device.device if device else None)  # no collective
     together = agreement_group(setup, shards)
     planned = functools.partial(_planned, options=options, setup=setup, shards=shards, device=device,
                                 te_names=te_names, calibration_bytes=calibration_bytes, name=name, seams=seams,
@@ -274,7 +275,6 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
         built = _together(fw, bw, planned, build, together, seams.collectives, seams.rewrites)
         layouts.by_program[program] = built.layout
         clock.agree = functools.partial(largest, group=together, comm=seams.collectives)
-        clock.allocated = functools.partial(seams.device_probe.allocated, device.device if device else None)
         return built.compiled
     agreed = layouts.by_program.get(program)
     if agreed is None:

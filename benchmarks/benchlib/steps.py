@@ -1,10 +1,21 @@
-"""The measured training step of Thunder's ``Benchmark_litGPT`` (``bench``): its batches, one iteration as ``train``
-runs it, Python's garbage collections, the allocator's counters, one timed iteration's record, profiled iterations."""
+"""The measured training step of Thunder's ``Benchmark_litGPT`` (``bench``): its arguments from the flags, its
+batches, one iteration as ``train`` runs it, Python's garbage collections, the allocator's counters, one timed
+iteration's record, profiled iterations."""
 
 from __future__ import annotations
 
 import os
 import time
+
+
+def kwargs_of(flags: list[str]) -> dict:
+    """``Benchmark_litGPT``'s arguments from the benchmark's flags, as its command line parses them."""
+    import thunder.benchmarks.benchmark_litgpt as bl
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(bl.Benchmark_litGPT)
+    return parser.parse_args(flags).as_dict()
 
 
 def batches(bench, rank: int, n: int = 4) -> list:
