@@ -20,8 +20,9 @@ configuration under ``--out`` (written as it goes; a search skips those done, so
 ``search.json`` (the wall time, the runs made and pruned).
 
 ``rows`` picks each side's winner for every cap and setup: the configuration with the most tokens a second in its
-confirming run (alone on the GPU, while other workers compile: a ranking, not evidence of speed) among those that ran
-under a cap at most this one with no out-of-memory. Tokens a step: micro-batch x sequence x N. The winners' tokens/s
+confirming runs (the mean of both sides': one ranking for the two; each run alone on the GPU, while other workers
+compile: a ranking, not evidence of speed) among those that side ran under a cap at most this one with no
+out-of-memory. Tokens a step: micro-batch x sequence x N. The winners' tokens/s
 ratio comes from ``paired.py`` (both in one process, alternating, with a CI and a null; ``--arms`` with ``"flags"``,
 printed by ``rows --commands``). It writes the JSON (``"kind": "capacity"``, ``"rows"``) that ``results_tables.py``
 renders into the README and docs/capacity.md.
@@ -130,14 +131,23 @@ def fitted(record: dict, side: str) -> dict | None:
     return next((r for r in record.get("runs", []) if r["side"] == side and r["fits"]), None)
 
 
+def speed(record: dict) -> float | None:
+    """A configuration's tokens a second for the ranking: the mean of its sides' confirming runs (one ranking for
+    both sides, so that a side's winner differs from the other's only where it fits and the other does not, never
+    by the runs' noise, which exceeds the pass's cost; None: no side ran)."""
+    runs = [run["tokens_per_s"] for side in SIDES if (run := fitted(record, side)) is not None]
+    return sum(runs) / len(runs) if runs else None
+
+
 def winners(records: dict[str, dict], setup: str, cap_gb: int) -> dict[str, tuple[Config, dict] | None]:
-    """Each side's fastest configuration of ``setup`` that ran under a cap at most ``cap_gb`` with no out-of-memory
-    (its confirming run's tokens a second), and that run."""
+    """Each side's fastest configuration of ``setup`` (:func:`speed`) that ran under a cap at most ``cap_gb`` with no
+    out-of-memory, and that side's run."""
     out = {}
     for side in SIDES:
-        fits = [(Config.parse(name), run) for name, r in records.items() if Config.parse(name).setup == setup
-                and (run := fitted(r, side)) is not None and run["cap_gb"] <= cap_gb]
-        out[side] = max(fits, key=lambda cr: cr[1]["tokens_per_s"], default=None)
+        fits = [(Config.parse(name), run, speed(r)) for name, r in records.items()
+                if Config.parse(name).setup == setup and (run := fitted(r, side)) is not None and run["cap_gb"] <= cap_gb]
+        best = max(fits, key=lambda crs: crs[2], default=None)
+        out[side] = None if best is None else best[:2]
     return out
 
 
@@ -422,9 +432,11 @@ def pair_name(row: dict) -> str:
 
 def paired_commands(rows_: list[dict], layers: int, simulate: int, timed: int) -> list[str]:
     """The ``paired.py`` launches that time the rows' winners, each pair once: first the pairs of two
-    configurations (where the pass changes the winner), then those of one (the pass's own cost)."""
+    configurations (where the pass changes the winner), the largest gain their confirming runs rank first, then
+    those of one (the pass's own cost)."""
     pairs = {pair_name(r): r for r in rows_ if r["without"] is not None and r["with"] is not None}
-    ordered = sorted(pairs.values(), key=lambda r: r["same_configuration"])
+    ordered = sorted(pairs.values(), key=lambda r: (r["same_configuration"],
+                                                    -r["with"]["tokens_per_s"] / r["without"]["tokens_per_s"]))
     return [paired_command(r, layers, simulate, timed) for r in ordered]
 
 

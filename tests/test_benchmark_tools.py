@@ -444,6 +444,15 @@ def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at
     assert w["with"][0].name == "fp8_s4096_mb1_full" and w["without"][0].name == "fp8_s4096_mb2_ckpt"
     w = capacity.winners(records, "fp8_s4096", 48)
     assert w["with"][0].name == "fp8_s4096_mb1_full" and w["without"][0].name == "fp8_s4096_mb1_full"
+    # one ranking for both sides (the mean of their runs): where both fit the same configurations, the same winner,
+    # though each side's own run would rank them apart (the unpaired runs' noise exceeds the pass's cost)
+    both = {"fp8_s4096_mb2_ckpt": _record("fp8_s4096_mb2_ckpt", {"with": 10, "without": 14}, [
+        ("with", 40, True, 75_000, 10.0), ("without", 40, True, 70_000, 14.0)]),
+        "fp8_s4096_mb4_ckpt": _record("fp8_s4096_mb4_ckpt", {"with": 12, "without": 20}, [
+            ("with", 40, True, 72_000, 12.0), ("without", 40, True, 74_000, 20.0)])}
+    assert capacity.speed(both["fp8_s4096_mb4_ckpt"]) == 73_000
+    assert {s: w[0].name for s, w in capacity.winners(both, "fp8_s4096", 40).items()} == {
+        "with": "fp8_s4096_mb4_ckpt", "without": "fp8_s4096_mb4_ckpt"}
     for name, r in records.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     paired_dir = tmp_path / "paired"
