@@ -37,11 +37,25 @@ gpu_tests() {
 # s34 (next): the capacity search resumed from s33's records (five configurations' runs), then the winners' paired
 # runs one after another, the pairs of two configurations first (capacity.py rows --commands). A later sitting carries
 # this one's records back the same way.
-# s35 (after it, issue #62): the GPU module on main (shard ops merged on their own terms, fd27371) beside the FP8
-# default's launch (fp8 below: its plan's shard-op count, at most 8, and its peaks, 46.18 -> 38.41 GB); then the calls
-# made again (ops._Again: pending/ops_again.patch, not landed): a copy of the tree there with `patch -p1 <
-# pending/ops_again.patch` applied, the GPU module run in it; then bf16's launch and FP8 at seq 8192.
-fp8() { paired fp8_l32_n8_s35 "$USER_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+# s35 (issue #62, on whichever card comes; s34 waits for an H100 like s33's): the GPU module on main (shard ops merged
+# on their own terms) beside the FP8 default's and bf16's launches, each with a fourth arm "again": main with the calls
+# made again (ops._Again, pending/ops_again.patch, not landed), a revision arm read from .rev/again.tar; then the GPU
+# module on that code (.rev/again_tests.tar over a copy of the tree). Made here, before the call (carry .rev):
+#   git checkout -b again && patch -p1 < pending/ops_again.patch && git commit -qam again && git checkout main
+#   git archive -o .rev/again.tar again thunder_fp8shard && git archive -o .rev/again_tests.tar again thunder_fp8shard tests
+AGAIN_ARMS='{"without": null, "null": null, "default": {}, "again": {"revision": "again"}}'
+fp8() { paired fp8_l32_n8_s35 "$AGAIN_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
+bf16() { paired bf16_l32_n8_s35 "$AGAIN_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
+again_tests() {  # the GPU module on main + the patch, after main's (one module at a time beside the builds)
+  until grep -q "gpu_tests rc=" "$R/logs/done" 2>/dev/null; do sleep 5; done
+  rm -rf "$R/again" && cp -r "$R/tree" "$R/again" && tar xf "$R/tree/.rev/again_tests.tar" -C "$R/again"
+  mkdir -p "$R/gpu_again"
+  (cd "$R/again" && PYTHONPATH="$R/again:$PYTHONPATH" OUT="$R/gpu_again" python3 -m pytest -q tests/test_te_gpu.py \
+    tests/test_multicopy.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
+    > "$R/logs/test_te_gpu_again.log" 2>&1)
+  echo "again_tests rc=$?" >> "$R/logs/done"
+  rm -f "$R/busy/$JOB"
+}
 capacity_search() {
   python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} > "$R/logs/capacity.log" 2>&1
   echo "capacity_search rc=$?" >> "$R/logs/done"
@@ -66,7 +80,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests capacity_search capacity_timing fp8 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests again_tests capacity_search capacity_timing fp8 bf16 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' AGAIN_ARMS='$AGAIN_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -78,7 +92,7 @@ case "${1:-}" in
       # one after another after the first build (each waits for the one before it to finish)
       s34) mkdir -p "$R/capacity" && cp benchmarks/results/h100_2026-12-07/s33/capacity/*.json "$R/capacity/"
            launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
-      s35) export GPU_TEST_WORKERS=12; launch gpu_tests fp8; echo 2 > "$R/logs/expected" ;;
+      s35) export GPU_TEST_WORKERS=12; launch gpu_tests again_tests fp8 bf16; echo 4 > "$R/logs/expected" ;;
       *) echo "usage: $0 start s34|s35"; exit 2 ;;
     esac
     echo started ;;
