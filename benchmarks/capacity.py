@@ -62,6 +62,7 @@ CAPS_GB = (40, 48, 80)
 MICRO_BATCHES = (1, 2, 4)
 SIDES = ("with", "without")  # the order a worker runs them in (the pass's first step is the model's first)
 OPTIMIZER_STATES = 2  # AdamW's, Thunder's benchmark's optimizer: counted in the predictions only
+EXPANDABLE = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF of an "_xs" configuration (see compile_it)
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,22 @@ class Config:
     setup: str
     micro_batch: int
     checkpointing: bool
+    expandable: bool = False  # the caching allocator's expandable segments (PYTORCH_CUDA_ALLOC_CONF), both sides
 
     @property
     def name(self) -> str:
-        return f"{self.setup}_mb{self.micro_batch}_{'ckpt' if self.checkpointing else 'full'}"
+        return f"{self.setup}_mb{self.micro_batch}_{'ckpt' if self.checkpointing else 'full'}" + (
+            "_xs" if self.expandable else "")
+
+    @property
+    def twin(self) -> Config:
+        """The same configuration under the default allocator."""
+        return Config(self.setup, self.micro_batch, self.checkpointing)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment its process needs (set before CUDA starts)."""
+        return {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE} if self.expandable else {}
 
     @property
     def seq(self) -> int:
@@ -88,8 +101,8 @@ class Config:
 
     @classmethod
     def parse(cls, name: str) -> Config:
-        setup, mb, ckpt = re.fullmatch(r"(.+)_mb(\d+)_(ckpt|full)", name).groups()
-        return cls(setup, int(mb), ckpt == "ckpt")
+        setup, mb, ckpt, xs = re.fullmatch(r"(.+)_mb(\d+)_(ckpt|full)(_xs)?", name).groups()
+        return cls(setup, int(mb), ckpt == "ckpt", bool(xs))
 
 
 # ---- the search's rules (pure; tested on the CPU) ---------------------------------------------------------------------
@@ -100,9 +113,24 @@ def caps_to_try(predicted_bytes: int | None, caps_gb) -> list[int]:
     return sorted(c for c in caps_gb if predicted_bytes is None or predicted_bytes <= c * 1e9)
 
 
+def fragmented(record: dict, side: str, caps_gb) -> list[int]:
+    """The caps a side ran out of memory under although its predicted peak fits them: the allocator's reserved bytes
+    (its fragmentation), not the allocated, ran out (s33-s34: 2 to 9 GB over the allocated peak)."""
+    predicted = record.get("predicted_peak_bytes", {}).get(side)
+    return sorted(r["cap_gb"] for r in record.get("runs", []) if r["side"] == side and not r["fits"]
+                  and r.get("oom_of_the_cap") and r["cap_gb"] in caps_to_try(predicted, caps_gb))
+
+
 def compile_it(config: Config, records: dict[str, dict], micro_batches, caps_gb) -> bool | None:
     """Whether to compile ``config``: True; False where the next smaller micro-batch of its setup and checkpointing
-    is predicted over the largest cap on both sides (a larger micro-batch only holds more); None: not known yet."""
+    is predicted over the largest cap on both sides (a larger micro-batch only holds more); None: not known yet.
+    An expandable-segments configuration (``_xs``) only where its twin under the default allocator is done and a side
+    of it ran out of memory under a cap its prediction fits (:func:`fragmented`)."""
+    if config.expandable:
+        twin = records.get(config.twin.name)
+        if twin is None or twin.get("status") not in ("done", "skipped", "failed"):
+            return None
+        return any(fragmented(twin, side, caps_gb) for side in SIDES)
     smaller = [m for m in micro_batches if m < config.micro_batch]
     if not smaller:
         return True
@@ -124,6 +152,13 @@ def oom_of_the_cap(message: str) -> bool:
     if not (asked and free):
         return True
     return float(free[1]) * units[free[2]] >= float(asked[1]) * units[asked[2]]
+
+
+def caps_of_the_side(record: dict, twin: dict | None, side: str, caps_gb) -> list[int]:
+    """The caps a side runs under, smallest first: those its prediction fits, and for an ``_xs`` configuration only
+    those its twin ran out of memory under (:func:`fragmented`; none where the twin's side fitted everywhere)."""
+    caps = caps_to_try(record["predicted_peak_bytes"][side], caps_gb)
+    return caps if twin is None else [c for c in caps if c in fragmented(twin, side, caps_gb)]
 
 
 def fitted(record: dict, side: str) -> dict | None:
@@ -232,6 +267,8 @@ def capped_run(torch, bench, steps: int, drawn: list, cap_gb: int | None) -> dic
     if cuda:
         out.update(peak_bytes=torch.cuda.max_memory_allocated(dev), reserved_peak_bytes=torch.cuda.max_memory_reserved(
             dev), alloc_retries=torch.cuda.memory_stats(dev).get("num_alloc_retries", 0) - retries)
+        # the allocator kept to the cap (checked, not assumed, under expandable segments too)
+        out["cap_honored"] = cap_gb is None or out["reserved_peak_bytes"] <= cap_gb * 1e9
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
         torch.cuda.empty_cache()
     return out
@@ -266,6 +303,7 @@ def worker(args) -> None:
     kept = [r for r in before.get("runs", []) if fitted(before, r["side"]) is not None]
     record = {"kind": "capacity_config", "config": config.name, "setup": config.setup, "seq": config.seq,
               "micro_batch": config.micro_batch, "checkpointing": config.checkpointing, "flags": flags,
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
               "simulated": bool(args.simulate), "world_size": world_size, "device": device_name(),
               "tokens_per_step": config.tokens_per_step(world_size), "status": "compiling", "runs": kept}
     _write(path, record)
@@ -296,9 +334,10 @@ def worker(args) -> None:
             sharded=len(q.sharded), shard_ops=len({b.shard_op for b in q.buckets}))
         _write(path, record)
         cuda = bench.device.type == "cuda"
+        twin = json.load(open(os.path.join(args.out, f"{config.twin.name}.json"))) if config.expandable else None
         for side in [s for s in SIDES if fitted(record, s) is None]:
             entries = with_pass if side == "with" else base
-            tries, retried = caps_to_try(record["predicted_peak_bytes"][side], args.caps) if cuda else [None], False
+            tries, retried = caps_of_the_side(record, twin, side, args.caps) if cuda else [None], False
             while tries:
                 cap = tries[0]
                 need = min(cap * 1e9, record["predicted_peak_bytes"][side] * 1.02 + 1.5e9) if cuda else 0
@@ -314,7 +353,7 @@ def worker(args) -> None:
                 again = run["oom"] is not None and not run["oom_of_the_cap"] and not retried
                 tries, retried = tries if again else tries[1:], retried or again
                 timed = run["step_s"][2:]  # the first two: the program's first call and the optimizer's first step
-                run["fits"] = run["oom"] is None and run["steps"] == args.steps
+                run["fits"] = run["oom"] is None and run["steps"] == args.steps and run.get("cap_honored", True)
                 run["tokens_per_s"] = record["tokens_per_step"] / sorted(timed)[len(timed) // 2] if timed else None
                 record["runs"].append(run)
                 _write(path, record)
@@ -344,7 +383,8 @@ def search(args) -> None:
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {"sittings": []}
     sitting = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "launched": [], "skipped": []}
     summary["sittings"].append(sitting)
-    configs = [Config(s, mb, ck) for s in args.setups for ck in (True, False) for mb in args.micro_batches]
+    configs = [Config(s, mb, ck, xs) for xs in args.expandable for s in args.setups for ck in (True, False)
+               for mb in args.micro_batches]
     records = lambda: {c.name: json.load(open(p)) for c in configs  # noqa: E731
                        if os.path.exists(p := os.path.join(args.out, f"{c.name}.json"))}
     todo = [c for c in configs if records().get(c.name, {}).get("status") not in ("done", "skipped")]
@@ -363,7 +403,9 @@ def search(args) -> None:
         now = records()
         for c in list(todo):
             go = compile_it(c, now, args.micro_batches, args.caps)
-            if go is False:
+            if go is False and c.expandable:  # its twin needs no other allocator: nothing to record, nothing pruned
+                todo.remove(c)
+            elif go is False:
                 _write(os.path.join(args.out, f"{c.name}.json"), {"kind": "capacity_config", "config": c.name,
                        "status": "skipped", "why": "the next smaller micro-batch is predicted over every cap on both "
                                                    "sides", "runs": []})
@@ -377,7 +419,7 @@ def search(args) -> None:
                        f"--caps={','.join(map(str, args.caps))}", f"--busy={busy}",
                        f"--run-cores={','.join(map(str, run_cores))}",
                        f"--compile-cores={','.join(map(str, compile_cores))}", "--", *args.extra_flags]
-                running[c.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running[c.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **c.env})
                 sitting["launched"].append(c.name)
                 todo.remove(c)
         sitting["wall_s"] = time.perf_counter() - start
@@ -411,18 +453,45 @@ def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
                 "steps": w[1]["steps"], "tokens_per_s": w[1]["tokens_per_s"], "tokens_per_s_from": "confirming run"}
         row["same_configuration"] = None not in won.values() and won["with"][0] == won["without"][0]
         row["tokens_per_s_ratio"], row["ci95"] = None, None
-        paired = os.path.join(paired_dir or "", f"{pair_name(row)}_with.json")
-        if paired_dir and None not in won.values() and os.path.exists(paired):
+        paired = paired_dir and None not in won.values() and timing_of(row, paired_dir, records[
+            won["with"][0].name].get("flags") or won["with"][0].flags(32))
+        if paired:
             p = json.load(open(paired))
             for side, key in (("without", "base"), ("with", "arm")):
                 if row[side] is not None:
                     row[side].update(tokens_per_s=p["tokens_per_s"][key], tokens_per_s_from="paired")
-            null = paired.replace("_with.json", "_null.json")
+            null = paired[:-len(f"_{p.get('arm', 'with')}.json")] + "_null.json"
             row.update(tokens_per_s_ratio=p["tokens_per_s_ratio"]["median"], ci95=p["tokens_per_s_ratio"]["ci95"],
-                       paired_file=os.path.basename(paired), null_overhead_ci95=json.load(open(null))["overhead_pct"][
+                       paired_file=os.path.basename(paired), paired_device=p.get("device"), null_overhead_ci95=json.load(open(null))["overhead_pct"][
                            "ci95"] if os.path.exists(null) else None)
         out.append(row)
     return out
+
+
+def _normal(flags) -> dict[str, str]:
+    """Thunder's benchmark flags as a dict, the defaults this search leaves out spelled in (to compare launches)."""
+    out = {"checkpoint_activations": "false", "low_precision_mode": "none", "block_size": "4096"}
+    out.update(f[2:].split("=", 1) for f in flags if f.startswith("--") and "=" in f)
+    return {k: v.lower() for k, v in out.items()}
+
+
+def timing_of(row: dict, paired_dir: str, flags: list[str]) -> str | None:
+    """The paired JSON that times a row's winners: the pair's own (``<pair>_with.json``, :func:`pair_name`), or, for
+    one configuration, any launch of this folder whose base runs its flags and whose arm is the pass with no options
+    (``{}``, as issue #62's launches time the FP8 and bf16 defaults; the null is the launch's own)."""
+    own = os.path.join(paired_dir, f"{pair_name(row)}_with.json")
+    if os.path.exists(own) or not row["same_configuration"]:
+        return own if os.path.exists(own) else None
+    want = _normal(flags)
+    for f in sorted(os.listdir(paired_dir)):
+        if not f.endswith(".json") or "_accuracy_" in f or f.endswith("_null.json"):
+            continue
+        p = json.load(open(os.path.join(paired_dir, f)))
+        arm = next((a for a in p.get("arms", []) if a["name"] == p.get("arm")), None)
+        if (p.get("kind") == "paired" and arm and arm.get("options") == {} and not arm.get("revision")
+                and not arm.get("flags") and _normal(p.get("flags", [])) == want):
+            return os.path.join(paired_dir, f)
+    return None
 
 
 def pair_name(row: dict) -> str:
@@ -434,7 +503,8 @@ def paired_commands(rows_: list[dict], layers: int, simulate: int, timed: int) -
     """The ``paired.py`` launches that time the rows' winners, each pair once: first the pairs of two
     configurations (where the pass changes the winner), the largest gain their confirming runs rank first, then
     those of one (the pass's own cost)."""
-    pairs = {pair_name(r): r for r in rows_ if r["without"] is not None and r["with"] is not None}
+    pairs = {pair_name(r): r for r in rows_ if r["without"] is not None and r["with"] is not None
+             and r["tokens_per_s_ratio"] is None}  # not timed yet (``rows --paired``: the folder's timings)
     ordered = sorted(pairs.values(), key=lambda r: (r["same_configuration"],
                                                     -r["with"]["tokens_per_s"] / r["without"]["tokens_per_s"]))
     return [paired_command(r, layers, simulate, timed) for r in ordered]
@@ -443,9 +513,10 @@ def paired_commands(rows_: list[dict], layers: int, simulate: int, timed: int) -
 def paired_command(row: dict, layers: int, simulate: int, timed: int) -> str:
     """The ``paired.py`` launch that times a row's two winners."""
     base, mine = Config.parse(row["without"]["config"]), Config.parse(row["with"]["config"])
-    arm = {} if base == mine else {"flags": mine.flags(layers)}
+    arm = {} if base.flags(layers) == mine.flags(layers) else {"flags": mine.flags(layers)}
     arms = json.dumps({"without": None, "null": None, "with": arm})
-    return (f"python3 benchmarks/paired.py --simulate {simulate} --timed {timed} --one-model --arms '{arms}' "
+    env = "".join(f"{k}={v} " for k, v in {**base.env, **mine.env}.items())  # one process: both arms under it
+    return (f"{env}python3 benchmarks/paired.py --simulate {simulate} --timed {timed} --one-model --arms '{arms}' "
             f"--out $R/paired/{pair_name(row)} -- {' '.join(base.flags(layers))}")
 
 
@@ -467,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.choices["search"]
     s.add_argument("--setups", type=lambda v: tuple(v.split(",")), default=tuple(SETUPS))
     s.add_argument("--micro-batches", type=ints, default=MICRO_BATCHES)
+    s.add_argument("--expandable", type=lambda v: tuple(x == "on" for x in v.split(",")), default=(False,),
+                   help="off,on: also each configuration under expandable segments where the default allocator's "
+                        "fragmentation, not its allocated peak, ran out of a cap (compile_it)")
     s.add_argument("--parallel", type=int, default=8, help="workers at once (each compiles on a CPU core)")
     s.add_argument("--compile-threads", type=int, default=2, help="TORCHINDUCTOR_COMPILE_THREADS of a worker")
     s.add_argument("--run-cores", type=int, default=4, help="CPUs kept for the run holding the GPU (no compilation)")

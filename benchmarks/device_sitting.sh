@@ -34,9 +34,11 @@ gpu_tests() {
   rm -f "$R/busy/$JOB"
 }
 
-# s34 (next): the capacity search resumed from s33's records (five configurations' runs), then the winners' paired
-# runs one after another, the pairs of two configurations first (capacity.py rows --commands). A later sitting carries
-# this one's records back the same way.
+# s34 (done: benchmarks/results/h100_2026-12-07/s34/): the capacity search resumed from s33's records, then the
+# winners' paired runs one after another (capacity.py rows --commands); the lease ended after the first pair.
+# s36 (next, on an H100 as s33-s34): the search resumed from s34's records with expandable segments (`_xs`: only where
+# the default allocator's reserved bytes ran out of a cap the allocated peak fits; 4 configurations, 5 runs), then the
+# pairs not timed yet (s34's paired JSONs carried into $R/paired: rows --paired skips them), largest ranked gain first.
 # s35 (issue #62, on whichever card comes; s34 waits for an H100 like s33's): the GPU module on main (shard ops merged
 # on their own terms) beside the FP8 default's and bf16's launches, each with a fourth arm "again": main with the calls
 # made again (ops._Again, pending/ops_again.patch, not landed), a revision arm read from .rev/again.tar; then the GPU
@@ -57,7 +59,8 @@ again_tests() {  # the GPU module on main + the patch, after main's (one module 
   rm -f "$R/busy/$JOB"
 }
 capacity_search() {
-  python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} > "$R/logs/capacity.log" 2>&1
+  python3 benchmarks/capacity.py search --simulate 8 --out "$R/capacity" --parallel ${PARALLEL:-8} \
+    --expandable ${EXPANDABLE:-off} > "$R/logs/capacity.log" 2>&1
   echo "capacity_search rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
 }
@@ -65,7 +68,8 @@ capacity_search() {
 capacity_timing() {  # after the search: each pair of winners timed alone, one after another
   rm -f "$R/busy/$JOB"
   until grep -q "capacity_search rc=" "$R/logs/done" 2>/dev/null; do sleep 10; done
-  python3 benchmarks/capacity.py rows --search "$R/capacity" --commands > "$R/logs/paired_commands.sh" 2> "$R/logs/rows.err"
+  python3 benchmarks/capacity.py rows --search "$R/capacity" --paired "$R/paired" --commands \
+    > "$R/logs/paired_commands.sh" 2> "$R/logs/rows.err"
   local k=0 cmd
   while read -r cmd; do k=$((k + 1)); eval "$cmd" > "$R/logs/paired_$k.log" 2>&1; echo "pair $k exit=$?" >> "$R/logs/done"; done \
     < "$R/logs/paired_commands.sh"
@@ -80,7 +84,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests again_tests capacity_search capacity_timing fp8 bf16 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' AGAIN_ARMS='$AGAIN_ARMS' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests again_tests capacity_search capacity_timing fp8 bf16 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' AGAIN_ARMS='$AGAIN_ARMS' EXPANDABLE=${EXPANDABLE:-off} GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -92,8 +96,11 @@ case "${1:-}" in
       # one after another after the first build (each waits for the one before it to finish)
       s34) mkdir -p "$R/capacity" && cp benchmarks/results/h100_2026-12-07/s33/capacity/*.json "$R/capacity/"
            launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
+      s36) mkdir -p "$R/capacity" && cp benchmarks/results/h100_2026-12-07/s34/capacity/*.json "$R/capacity/"
+           cp benchmarks/results/h100_2026-12-07/s34/paired/*.json "$R/paired/"
+           export EXPANDABLE=off,on; launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
       s35) export GPU_TEST_WORKERS=12; launch gpu_tests again_tests fp8 bf16; echo 4 > "$R/logs/expected" ;;
-      *) echo "usage: $0 start s34|s35"; exit 2 ;;
+      *) echo "usage: $0 start s34|s35|s36"; exit 2 ;;
     esac
     echo started ;;
   collect)
@@ -105,5 +112,5 @@ case "${1:-}" in
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s34|s35|collect"; exit 2 ;;
+  *) echo "usage: $0 start s34|s35|s36|collect"; exit 2 ;;
 esac

@@ -168,7 +168,8 @@ def capacity(root: Path) -> str:
         if w is None:
             return "nothing fits"
         star = "" if w["tokens_per_s_from"] == "paired" else "*"
-        return (f"mb{w['micro_batch']}{' ckpt' if w['checkpointing'] else ''}, {w['peak_gb']:.1f} GB, "
+        return (f"mb{w['micro_batch']}{' ckpt' if w['checkpointing'] else ''}"
+                f"{' xs' if w['config'].endswith('_xs') else ''}, {w['peak_gb']:.1f} GB, "
                 f"{w['tokens_per_s'] / 1e3:.1f}k{star}")
 
     out = ["| cap (GB) | setup | without the pass: config, peak, tokens/s | with `ShardIntermediates()` | with / without "
@@ -179,7 +180,9 @@ def capacity(root: Path) -> str:
         setup = r["setup"].upper().replace("_", " ").replace("S", "s")
         out.append(f"| {r['cap_gb']} | {setup} | {side(r['without'])} | {side(r['with'])}"
                    f"{' (same)' if r['same_configuration'] else ''} | {ratio} |")
-    return "\n".join(out) + "\n\n*: the confirming run's, unpaired (beside other compilations), not evidence.\n"
+    xs = any(r[s] and r[s]["config"].endswith("_xs") for r in d["rows"] for s in ("with", "without"))
+    return "\n".join(out) + ("\n\n*: the confirming run's, unpaired (beside other compilations), not evidence."
+                             + (" xs: expandable segments." if xs else "") + "\n")
 
 
 PAGES = {"README.md": ("headline", "launches_short", "capacity"), "docs/results.md": ("headline", "launches"),

@@ -318,6 +318,12 @@ def test_plan_accuracy_reports_leave_out_plans_that_see_one_subgraph():
     checkpointed["flags"] = [*checkpointed["flags"], "--checkpoint_activations=True"]
     assert accuracy_reports([checkpointed])["with"]["checkpoint_activations"] is True
     assert accuracy_reports([result("FSDP2 (fully_shard) under ThunderFX")]) == {}
+    # an arm with a model of its own (paired.py's "flags", as Thunder's benchmark spells them): its report has its
+    # flags, and no report of the base's peak from its plan, which is of another model (s34: "+27%", of nothing)
+    own = result("Thunder FSDP (ZeRO-3)")
+    own["arms"][0]["flags"] = ["--compile=thunder_inductor_cat", "--checkpoint_activations=true"]
+    reports = accuracy_reports([own])
+    assert sorted(reports) == ["with"] and reports["with"]["checkpoint_activations"] is True
 
 
 def test_the_plan_summary_leaves_out_a_plan_replanned_after_a_missed_budget():
@@ -470,9 +476,48 @@ def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at
     cmd = capacity.paired_command(r40, 32, 8, 40)
     assert "--micro_batch_size=2" in cmd.split(" -- ")[1] and '"flags": [' in cmd and "--checkpoint_activations=true" in cmd
     assert '"with": {}' in capacity.paired_command(r48, 32, 8, 40)  # the same configuration: the pass's own cost
-    cmds = capacity.paired_commands([r48, r40, r40], 32, 8, 40)  # each pair once, two configurations first
+    assert capacity.paired_commands([r40], 32, 8, 40) == []  # timed already (its paired JSON in the folder)
+    untimed = {**r40, "tokens_per_s_ratio": None}
+    cmds = capacity.paired_commands([r48, untimed, untimed], 32, 8, 40)  # each pair once, two configurations first
     assert len(cmds) == 2 and '"flags"' in cmds[0] and cmds[1].endswith(capacity.Config.parse(
         "fp8_s4096_mb1_full").flags(32)[-1]) and "--out $R/paired/fp8_s4096_mb1_full__fp8_s4096_mb1_full " in cmds[1]
+    # one configuration's row timed by another launch of the folder whose base runs its flags and whose arm is {}
+    # (issue #62's launches: Thunder's flags, without --checkpoint_activations=false), its own null beside it
+    launch = {"kind": "paired", "arm": "default", "flags": [f for f in capacity.Config.parse(
+        "fp8_s4096_mb1_full").flags(32) if "checkpoint" not in f], "device": "H100", "arms": [
+        {"name": "default", "options": {}, "revision": None, "flags": None}],
+        "tokens_per_s": {"base": 80_000, "arm": 79_000}, "tokens_per_s_ratio": {"median": 0.987, "ci95": [0.98, 0.99]}}
+    (paired_dir / "fp8_l32_s35_default.json").write_text(json.dumps(launch))
+    (paired_dir / "fp8_l32_s35_null.json").write_text(json.dumps({"overhead_pct": {"ci95": [-0.2, 0.1]}}))
+    r48 = capacity.rows(str(tmp_path), str(paired_dir), (40, 48))[1]
+    assert (r48["tokens_per_s_ratio"], r48["paired_file"], r48["null_overhead_ci95"]) == (
+        0.987, "fp8_l32_s35_default.json", [-0.2, 0.1])
+    launch["arms"][0]["revision"] = "again"  # another revision's pass is not the user's
+    (paired_dir / "fp8_l32_s35_default.json").write_text(json.dumps(launch))
+    assert capacity.rows(str(tmp_path), str(paired_dir), (40, 48))[1]["tokens_per_s_ratio"] is None
+
+
+def test_expandable_segments_are_tried_only_where_the_default_allocators_reserved_bytes_ran_out():
+    """A side that ran out of memory under a cap its predicted peak fits (s34: FP8 at seq 8192, 70.6 GB allocated, 9 GB
+    more reserved under 80 GB) is tried again under expandable segments, only under those caps; nothing else is."""
+    xs = capacity.Config.parse("fp8_s8192_mb1_full_xs")
+    assert xs.expandable and xs.name == "fp8_s8192_mb1_full_xs" and xs.twin.name == "fp8_s8192_mb1_full"
+    assert xs.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and xs.twin.env == {}
+    assert xs.flags(32) == xs.twin.flags(32)
+    caps = (40, 48, 80)
+    twin = _record("fp8_s8192_mb1_full", {"with": 70.5, "without": 80.5}, [("with", 80, False, None, 70.6)])
+    twin["runs"][0]["oom_of_the_cap"] = True
+    assert capacity.fragmented(twin, "with", caps) == [80] and capacity.fragmented(twin, "without", caps) == []
+    assert capacity.compile_it(xs, {}, (1, 2, 4), caps) is None  # the twin not done yet
+    assert capacity.compile_it(xs, {twin["config"]: twin}, (1, 2, 4), caps) is True
+    record = _record(xs.name, {"with": 70.5, "without": 80.5})
+    assert capacity.caps_of_the_side(record, twin, "with", caps) == [80]
+    assert capacity.caps_of_the_side(record, twin, "without", caps) == []
+    fits = _record("fp8_s4096_mb1_ckpt", {"with": 8.8, "without": 21}, [("with", 40, True, 64_000, 8.8)])
+    assert capacity.compile_it(capacity.Config.parse("fp8_s4096_mb1_ckpt_xs"), {fits["config"]: fits}, (1,), caps) is False
+    row = {"without": {"config": "fp8_s8192_mb4_ckpt"}, "with": {"config": xs.name}}
+    cmd = capacity.paired_command(row, 32, 8, 40)  # one process: both arms under expandable segments
+    assert cmd.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 ") and '"flags"' in cmd
 
 
 def test_tokens_per_second_carry_the_times_ci_over_to_their_ratio():

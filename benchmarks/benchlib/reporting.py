@@ -187,8 +187,10 @@ def accuracy_reports(results: list[dict]) -> dict[str, dict]:
         arm = next(a for a in r["arms"] if a["name"] == r["arm"])
         common = {k: r[k] for k in ("device", "simulated", "world_size", "n_layers", "low_precision_mode", "flags",
                                     "started", "launch")}
-        common["executors"] = flag(r["flags"], "compile", "thunder")
-        common["checkpoint_activations"] = flag(r["flags"], "checkpoint_activations", "False") == "True"
+        own = arm.get("flags")  # a model of its own (paired.py's "flags"): its plan predicts no peak of the base's
+        common["flags"] = own or r["flags"]
+        common["executors"] = flag(common["flags"], "compile", "thunder")
+        common["checkpoint_activations"] = flag(common["flags"], "checkpoint_activations", "False").lower() == "true"
         plan = arm["plan"]
         if not r["measured_peak_GB"]["base"]:  # the CPU: no device peak
             continue
@@ -197,7 +199,7 @@ def accuracy_reports(results: list[dict]) -> dict[str, dict]:
         for name, with_pass, predicted, measured in (
                 (r["arm"], True, plan["peak_bytes_after"], r["measured_peak_GB"]["arm"] * 1e9),
                 (r["base"], False, plan["peak_bytes_before"], r["measured_peak_GB"]["base"] * 1e9)):
-            if name in out:
+            if name in out or (own and not with_pass):
                 continue
             out[name] = dict(common, kind="plan_accuracy", arm=name, with_pass=with_pass,
                              options=r["options"] if with_pass else None,
