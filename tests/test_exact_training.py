@@ -209,3 +209,23 @@ def test_fsdp2_under_thunderfx_is_exact_and_saves_as_planned(world_size, scope, 
         no_grad = [p for i, p in enumerate(shard.plans) if all(i not in s for s in shard.step_plans)]
         assert len(no_grad) == (3 if no_grad_call else 0) and all(p.decisions == () and any("forward-only" in n for n in p.notes) for p in no_grad)
     assert not torch.equal(results[0][0].losses[0], results[1][0].losses[0])
+
+
+def test_gradient_accumulation_with_the_reduction_skipped_is_exact_under_ddp_and_zero3(on_ranks):
+    """Thunder DDP under ``skip_data_parallel_grad_sync()`` compiles a program with the same forward and no all-reduce
+    in its backward, then the synced micro-batch another: the pass keys a program by its backward's collectives too.
+    The first program compiled (every rank together) is sharded; the synced one, compiled later, keeps Thunder's own
+    collectives (nothing sharded, no collective to agree it), and says why. It raised before. Under ZeRO-3 the
+    reduction's skip leaves the kinds of collective as they were: the synced program realizes the agreed layout. Two
+    steps of three micro-batches, gradients bitwise those without the pass and non-zero."""
+    from thunder_fp8shard.testing.generated import Case, with_and_without_accumulation
+
+    for setup in ("DDP", "ZERO3"):
+        case = Case(0, setup, ("linear", "fp8", "shared", "fp8"), candidates=("auto",), d=64, batch=(2, 8))
+        for rank, run in enumerate(on_ranks(with_and_without_accumulation, 2, case)):
+            (base, _), (grads, plans) = run[None], run["auto"]
+            assert grads.keys() == base.keys() and all(torch.equal(grads[n], base[n]) for n in base), (setup, rank)
+            assert all(g.count_nonzero() > 0 for g in grads.values()), "a compared gradient is zero: the check is void"
+            assert len(plans) == 2 and plans[0].sharded, (setup, rank, plans)
+            later = "did not compile together" if setup == "DDP" else "the model's agreed layout"
+            assert bool(plans[1].sharded) == (setup == "ZERO3") and any(later in n for n in plans[1].notes), plans[1]

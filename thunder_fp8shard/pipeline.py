@@ -270,7 +270,7 @@ def compile_plan(fw: TraceCtx, bw: TraceCtx, options: ShardOptions, setup: Integ
                               started=time.perf_counter() if started is None else started)
     if setup is None:  # compaction alone: nothing collective
         return build(planned(fw, bw=bw)).compiled
-    program = program_key(fw, parameters(fw, setup))
+    program = program_key(fw, parameters(fw, setup), bw)
     if layouts.open:
         built = _together(fw, bw, planned, build, together, seams.collectives, seams.rewrites)
         layouts.by_program[program] = built.layout

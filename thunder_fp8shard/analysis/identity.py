@@ -16,6 +16,7 @@ from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
 from thunder_fp8shard.analysis.liveness import is_compute
+from thunder_fp8shard.analysis.names import COLLECTIVES
 from thunder_fp8shard.analysis.saved import forward_inputs
 
 PER_RANK = "*"  # what an argument outside ``stable`` contributes to a key
@@ -58,10 +59,13 @@ def tensor_keys(trace: TraceCtx, stable: Iterable[str]) -> dict[str, str]:
     return keys
 
 
-def program_key(trace: TraceCtx, parameters: Iterable[str]) -> str:
+def program_key(trace: TraceCtx, parameters: Iterable[str], backward: TraceCtx | None = None) -> str:
     """What identifies a program across recompilations: its forward's tensor input names, with the shapes and dtypes of
-    ``parameters`` (ThunderFX layers of one class share names)."""
+    ``parameters`` (ThunderFX layers of one class share names), and the kinds of collective its ``backward`` issues, in
+    order (Thunder DDP's backward under ``skip_data_parallel_grad_sync()`` reduces no gradient: another program of
+    the same forward; names only, so that every rank's input shapes give one key)."""
     parameters = set(parameters)
     names = sorted(p.name + (f":{p.dtype}{list(p.shape)}" if p.name in parameters else "")
                    for p in forward_inputs(trace) if isinstance(p, TensorProxy))
-    return hashlib.sha256(",".join(names).encode()).hexdigest()[:24]
+    kinds = [] if backward is None else [b.sym.name for b in backward.bound_symbols if b.sym.name in COLLECTIVES]
+    return hashlib.sha256(",".join(names + ["|", *kinds]).encode()).hexdigest()[:24]

@@ -145,9 +145,15 @@ def run_case(rank: int, world_size: int, case: Case) -> dict:
 
 def plans_with_accumulation(rank: int, world_size: int, case: Case, micro_batches: int = 2) -> dict:
     """One rank's plans of ``case`` with each of ``case.candidates`` over a step of ``micro_batches`` micro-batches,
-    the gradients accumulated; under Thunder FSDP the first without the gradients' reduction
-    (``skip_data_parallel_grad_sync``). Under DDP every micro-batch all-reduces: without it the others compile a
-    program with the same forward and other collectives, which the pass refuses (docs/setups.md)."""
+    the gradients accumulated, every one but the last without the gradients' reduction
+    (``skip_data_parallel_grad_sync``)."""
+    return {candidates: accumulated(rank, case, candidates, micro_batches)[1] for candidates in case.candidates}
+
+
+def accumulated(rank: int, case: Case, candidates: str | None, micro_batches: int = 2, steps: int = 1):
+    """``steps`` steps of ``micro_batches`` micro-batches of ``case`` (every one but each step's last under
+    ``skip_data_parallel_grad_sync``), without the pass (``candidates`` None) or with it: the accumulated gradients
+    and the pass's plans."""
     import contextlib
 
     import thunder
@@ -156,23 +162,29 @@ def plans_with_accumulation(rank: int, world_size: int, case: Case, micro_batche
 
     from thunder_fp8shard import ShardIntermediates
 
-    out = {}
-    for candidates in case.candidates:
-        torch.manual_seed(case.seed)
-        shard = ShardIntermediates(candidates=candidates, min_bytes=512)
-        if case.setup == "DDP":
-            jm = ddp(thunder.jit(Generated(case), transforms=[shard]))
-        else:
-            fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
-            jm = thunder.jit(Generated(case), transforms=[fsdp, shard])
-        gen = torch.Generator().manual_seed(1000 * rank + case.seed)
+    torch.manual_seed(case.seed)
+    shard = ShardIntermediates(candidates=candidates or "fp8", min_bytes=512)
+    extra = [shard] if candidates else []
+    if case.setup == "DDP":
+        jm = ddp(thunder.jit(Generated(case), transforms=extra))
+    else:
+        fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
+        jm = thunder.jit(Generated(case), transforms=[fsdp, *extra])
+    gen = torch.Generator().manual_seed(1000 * rank + case.seed)
+    for _ in range(steps):
+        for p in jm.parameters():
+            p.grad = None
         for micro in range(micro_batches):
             x = torch.randn(*case.batch, case.d, generator=gen, requires_grad=True)
-            last = micro == micro_batches - 1 or case.setup == "DDP"
-            with contextlib.nullcontext() if last else skip_data_parallel_grad_sync():
+            with contextlib.nullcontext() if micro == micro_batches - 1 else skip_data_parallel_grad_sync():
                 F.mse_loss(jm(x), torch.zeros_like(x)).backward()
-        out[candidates] = list(shard.plans)
-    return out
+    grads = {n: _local(p.grad).detach().clone() for n, p in jm.named_parameters()}
+    return grads, list(shard.plans)
+
+
+def with_and_without_accumulation(rank: int, world_size: int, case: Case, micro_batches: int = 3) -> dict:
+    """:func:`accumulated` without the pass and with ``case.candidates[0]``, two steps."""
+    return {c: accumulated(rank, case, c, micro_batches, steps=2) for c in (None, case.candidates[0])}
 
 
 def _fsdp2(model: nn.Module, world_size: int, transforms: list):
