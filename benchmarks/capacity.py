@@ -180,7 +180,8 @@ def winners(records: dict[str, dict], setup: str, cap_gb: int) -> dict[str, tupl
     out = {}
     for side in SIDES:
         fits = [(Config.parse(name), run, speed(r)) for name, r in records.items()
-                if Config.parse(name).setup == setup and (run := fitted(r, side)) is not None and run["cap_gb"] <= cap_gb]
+                if Config.parse(name).setup == setup and (run := fitted(r, side)) is not None
+                and (run["cap_gb"] or 0) <= cap_gb]  # no cap: a run on the CPU
         best = max(fits, key=lambda crs: crs[2], default=None)
         out[side] = None if best is None else best[:2]
     return out
@@ -449,7 +450,7 @@ def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
         for side, w in won.items():
             row[side] = None if w is None else {
                 "config": w[0].name, "micro_batch": w[0].micro_batch, "checkpointing": w[0].checkpointing,
-                "peak_gb": w[1]["peak_bytes"] / 1e9, "confirmed_under_cap_gb": w[1]["cap_gb"],
+                "peak_gb": w[1]["peak_bytes"] / 1e9 if "peak_bytes" in w[1] else None, "confirmed_under_cap_gb": w[1]["cap_gb"],
                 "steps": w[1]["steps"], "tokens_per_s": w[1]["tokens_per_s"], "tokens_per_s_from": "confirming run"}
         row["same_configuration"] = None not in won.values() and won["with"][0] == won["without"][0]
         row["tokens_per_s_ratio"], row["ci95"] = None, None
