@@ -31,7 +31,7 @@ Usage (one GPU; a search can outlast a call: run it in the background and collec
 
     python3 benchmarks/capacity.py search --simulate 8 --out /tmp/capacity --parallel 8
     python3 benchmarks/capacity.py rows --search benchmarks/results/<sitting>/capacity \\
-        --paired benchmarks/results/<sitting>/paired --out benchmarks/results/capacity.json [--commands]
+        --paired benchmarks/results/<sitting>/paired [...] --out benchmarks/results/capacity.json [--commands]
 """
 
 from __future__ import annotations
@@ -436,9 +436,9 @@ def search(args) -> None:
 # ---- the rows: the winners, their timing, the JSON -------------------------------------------------------------------
 
 
-def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
+def rows(search_dir: str, paired_dirs, caps_gb) -> list[dict]:
     """One row a cap and setup (see the module docstring); the tokens/s ratio and its CI from the paired run of the
-    two winners where one exists (``<paired_dir>/<pair>_with.json``, :func:`pair_name`)."""
+    two winners where one of ``paired_dirs`` (folders, None: none) has it (:func:`timing_of`)."""
     records = {r["config"]: r for f in sorted(os.listdir(search_dir)) if f.endswith(".json") and f != "search.json"
                for r in [json.load(open(os.path.join(search_dir, f)))]}
     out = []
@@ -454,8 +454,8 @@ def rows(search_dir: str, paired_dir: str | None, caps_gb) -> list[dict]:
                 "steps": w[1]["steps"], "tokens_per_s": w[1]["tokens_per_s"], "tokens_per_s_from": "confirming run"}
         row["same_configuration"] = None not in won.values() and won["with"][0] == won["without"][0]
         row["tokens_per_s_ratio"], row["ci95"] = None, None
-        paired = paired_dir and None not in won.values() and timing_of(row, paired_dir, records[
-            won["with"][0].name].get("flags") or won["with"][0].flags(32))
+        flags = None not in won.values() and (records[won["with"][0].name].get("flags") or won["with"][0].flags(32))
+        paired = flags and next(filter(None, (timing_of(row, d, flags) for d in paired_dirs or ())), None)
         if paired:
             p = json.load(open(paired))
             for side, key in (("without", "base"), ("with", "arm")):
@@ -479,7 +479,8 @@ def _normal(flags) -> dict[str, str]:
 def timing_of(row: dict, paired_dir: str, flags: list[str]) -> str | None:
     """The paired JSON that times a row's winners: the pair's own (``<pair>_with.json``, :func:`pair_name`), or, for
     one configuration, any launch of this folder whose base runs its flags and whose arm is the pass with no options
-    (``{}``, as issue #62's launches time the FP8 and bf16 defaults; the null is the launch's own)."""
+    (``{}``, as issue #62's launches time the FP8 and bf16 defaults; ``--one-model`` records ``optimizer_states`` 0
+    for it), with tokens/s (launches since s34); the null is the launch's own."""
     own = os.path.join(paired_dir, f"{pair_name(row)}_with.json")
     if os.path.exists(own) or not row["same_configuration"]:
         return own if os.path.exists(own) else None
@@ -489,8 +490,10 @@ def timing_of(row: dict, paired_dir: str, flags: list[str]) -> str | None:
             continue
         p = json.load(open(os.path.join(paired_dir, f)))
         arm = next((a for a in p.get("arms", []) if a["name"] == p.get("arm")), None)
-        if (p.get("kind") == "paired" and arm and arm.get("options") == {} and not arm.get("revision")
-                and not arm.get("flags") and _normal(p.get("flags", [])) == want):
+        user = {k: v for k, v in (arm or {}).get("options", {}).items() if k != "optimizer_states"}
+        if (p.get("kind") == "paired" and arm and arm.get("options") is not None and user == {}
+                and not arm.get("revision") and not arm.get("flags") and p.get("tokens_per_s_ratio")
+                and _normal(p.get("flags", [])) == want):
             return os.path.join(paired_dir, f)
     return None
 
@@ -554,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--compile-cores", type=cores, default=None, help="the CPUs a worker compiles on")
     r = sub.add_parser("rows")
     r.add_argument("--search", required=True, help="a search's folder")
-    r.add_argument("--paired", default=None, help="the folder of the winners' paired JSONs")
+    r.add_argument("--paired", nargs="+", default=None, help="the folders of the winners' paired JSONs")
     r.add_argument("--caps", type=ints, default=CAPS_GB)
     r.add_argument("--out", default=None, help="the capacity JSON")
     r.add_argument("--commands", action="store_true", help="print the paired.py launches of the rows' winners")

@@ -466,7 +466,7 @@ def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at
     (paired_dir / "fp8_s4096_mb2_ckpt__fp8_s4096_mb1_full_with.json").write_text(json.dumps({
         "tokens_per_s": {"base": 60_000, "arm": 84_000}, "tokens_per_s_ratio": {"median": 1.4, "ci95": [1.38, 1.42]}}))
     (paired_dir / "fp8_s4096_mb2_ckpt__fp8_s4096_mb1_full_null.json").write_text(json.dumps({"overhead_pct": {"ci95": [-0.1, 0.1]}}))
-    rows = capacity.rows(str(tmp_path), str(paired_dir), (40, 48))
+    rows = capacity.rows(str(tmp_path), [str(paired_dir)], (40, 48))
     r40, r48 = rows
     assert (r40["cap_gb"], r40["with"]["micro_batch"], r40["with"]["checkpointing"]) == (40, 1, False)
     assert (r40["without"]["micro_batch"], r40["without"]["checkpointing"], r40["without"]["peak_gb"]) == (2, True, 14.0)
@@ -485,16 +485,16 @@ def test_each_sides_winner_is_its_fastest_configuration_confirmed_under_a_cap_at
     # (issue #62's launches: Thunder's flags, without --checkpoint_activations=false), its own null beside it
     launch = {"kind": "paired", "arm": "default", "flags": [f for f in capacity.Config.parse(
         "fp8_s4096_mb1_full").flags(32) if "checkpoint" not in f], "device": "H100", "arms": [
-        {"name": "default", "options": {}, "revision": None, "flags": None}],
+        {"name": "default", "options": {"optimizer_states": 0}, "revision": None, "flags": None}],  # --one-model's
         "tokens_per_s": {"base": 80_000, "arm": 79_000}, "tokens_per_s_ratio": {"median": 0.987, "ci95": [0.98, 0.99]}}
     (paired_dir / "fp8_l32_s35_default.json").write_text(json.dumps(launch))
     (paired_dir / "fp8_l32_s35_null.json").write_text(json.dumps({"overhead_pct": {"ci95": [-0.2, 0.1]}}))
-    r48 = capacity.rows(str(tmp_path), str(paired_dir), (40, 48))[1]
+    r48 = capacity.rows(str(tmp_path), [str(paired_dir)], (40, 48))[1]
     assert (r48["tokens_per_s_ratio"], r48["paired_file"], r48["null_overhead_ci95"]) == (
         0.987, "fp8_l32_s35_default.json", [-0.2, 0.1])
     launch["arms"][0]["revision"] = "again"  # another revision's pass is not the user's
     (paired_dir / "fp8_l32_s35_default.json").write_text(json.dumps(launch))
-    assert capacity.rows(str(tmp_path), str(paired_dir), (40, 48))[1]["tokens_per_s_ratio"] is None
+    assert capacity.rows(str(tmp_path), [str(paired_dir)], (40, 48))[1]["tokens_per_s_ratio"] is None
 
 
 def test_expandable_segments_are_tried_only_where_the_default_allocators_reserved_bytes_ran_out():
