@@ -450,8 +450,9 @@ def rows(search_dir: str, paired_dirs, caps_gb) -> list[dict]:
         for side, w in won.items():
             row[side] = None if w is None else {
                 "config": w[0].name, "micro_batch": w[0].micro_batch, "checkpointing": w[0].checkpointing,
-                "peak_gb": w[1]["peak_bytes"] / 1e9 if "peak_bytes" in w[1] else None, "confirmed_under_cap_gb": w[1]["cap_gb"],
-                "steps": w[1]["steps"], "tokens_per_s": w[1]["tokens_per_s"], "tokens_per_s_from": "confirming run"}
+                "peak_gb": w[1]["peak_bytes"] / 1e9 if "peak_bytes" in w[1] else None,  # none on the CPU
+                "confirmed_under_cap_gb": w[1]["cap_gb"], "steps": w[1]["steps"], "tokens_per_s": w[1]["tokens_per_s"],
+                "tokens_per_s_from": "confirming run"}
         row["same_configuration"] = None not in won.values() and won["with"][0] == won["without"][0]
         row["tokens_per_s_ratio"], row["ci95"] = None, None
         flags = None not in won.values() and (records[won["with"][0].name].get("flags") or won["with"][0].flags(32))
@@ -463,8 +464,9 @@ def rows(search_dir: str, paired_dirs, caps_gb) -> list[dict]:
                     row[side].update(tokens_per_s=p["tokens_per_s"][key], tokens_per_s_from="paired")
             null = paired[:-len(f"_{p.get('arm', 'with')}.json")] + "_null.json"
             row.update(tokens_per_s_ratio=p["tokens_per_s_ratio"]["median"], ci95=p["tokens_per_s_ratio"]["ci95"],
-                       paired_file=os.path.basename(paired), paired_device=p.get("device"), null_overhead_ci95=json.load(open(null))["overhead_pct"][
-                           "ci95"] if os.path.exists(null) else None)
+                       paired_file=os.path.basename(paired), paired_device=p.get("device"),
+                       null_overhead_ci95=json.load(open(null))["overhead_pct"]["ci95"] if os.path.exists(null)
+                       else None)
         out.append(row)
     return out
 
