@@ -99,28 +99,33 @@ def _relu_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(F.linear(x, w))
 
 
-def run_case(rank: int, world_size: int, case: Case) -> dict:
-    """One rank's runs of ``case`` without the pass (key None) and with it for each of ``case.candidates``: gradients,
-    saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plans (none without the pass)."""
+def compiled(world_size: int, case: Case, candidates: str | None):
+    """``case``'s model (seeded: the same weights on every rank) under its setup, without the pass (``candidates``
+    None) or with it as the last transform; and the pass."""
     import thunder
     from thunder.distributed import FSDPType, ddp
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
     from thunder_fp8shard import ShardIntermediates
 
+    torch.manual_seed(case.seed)
+    model = Generated(case)
+    shard = ShardIntermediates(candidates=candidates or "fp8", min_bytes=512)
+    extra = [shard] if candidates else []
+    if case.setup == "DDP":
+        return ddp(thunder.jit(model, transforms=extra)), shard
+    if case.setup == "FSDP2":
+        return _fsdp2(model, world_size, extra), shard
+    fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
+    return thunder.jit(model, transforms=[fsdp, *extra]), shard
+
+
+def run_case(rank: int, world_size: int, case: Case) -> dict:
+    """One rank's runs of ``case`` without the pass (key None) and with it for each of ``case.candidates``: gradients,
+    saved bytes, the lowest peak of :data:`PEAK_STEPS` steps, and the plans (none without the pass)."""
     out = {}
     for candidates in (None, *case.candidates):  # None: without the pass
-        torch.manual_seed(case.seed)
-        model = Generated(case)
-        shard = ShardIntermediates(candidates=candidates or "fp8", min_bytes=512)
-        extra = [shard] if candidates else []
-        if case.setup == "DDP":
-            jm = ddp(thunder.jit(model, transforms=extra))
-        elif case.setup == "FSDP2":
-            jm = _fsdp2(model, world_size, extra)
-        else:
-            fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
-            jm = thunder.jit(model, transforms=[fsdp, *extra])
+        jm, shard = compiled(world_size, case, candidates)
         gen = torch.Generator().manual_seed(1000 * rank + case.seed)
         x = torch.randn(*case.batch, case.d, generator=gen, requires_grad=True)
         target = torch.randn(*case.batch, case.d, generator=gen)
@@ -147,29 +152,19 @@ def plans_with_accumulation(rank: int, world_size: int, case: Case, micro_batche
     """One rank's plans of ``case`` with each of ``case.candidates`` over a step of ``micro_batches`` micro-batches,
     the gradients accumulated, every one but the last without the gradients' reduction
     (``skip_data_parallel_grad_sync``)."""
-    return {candidates: accumulated(rank, case, candidates, micro_batches)[1] for candidates in case.candidates}
+    return {c: accumulated(rank, world_size, case, c, micro_batches)[1] for c in case.candidates}
 
 
-def accumulated(rank: int, case: Case, candidates: str | None, micro_batches: int = 2, steps: int = 1):
+def accumulated(rank: int, world_size: int, case: Case, candidates: str | None, micro_batches: int = 2,
+                steps: int = 1):
     """``steps`` steps of ``micro_batches`` micro-batches of ``case`` (every one but each step's last under
     ``skip_data_parallel_grad_sync``), without the pass (``candidates`` None) or with it: the accumulated gradients
     and the pass's plans."""
     import contextlib
 
-    import thunder
-    from thunder.distributed import FSDPType, ddp, skip_data_parallel_grad_sync
-    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+    from thunder.distributed import skip_data_parallel_grad_sync
 
-    from thunder_fp8shard import ShardIntermediates
-
-    torch.manual_seed(case.seed)
-    shard = ShardIntermediates(candidates=candidates or "fp8", min_bytes=512)
-    extra = [shard] if candidates else []
-    if case.setup == "DDP":
-        jm = ddp(thunder.jit(Generated(case), transforms=extra))
-    else:
-        fsdp = FSDPTransform(device=torch.device("cpu"), sharding_strategy=FSDPType[case.setup])
-        jm = thunder.jit(Generated(case), transforms=[fsdp, *extra])
+    jm, shard = compiled(world_size, case, candidates)
     gen = torch.Generator().manual_seed(1000 * rank + case.seed)
     for _ in range(steps):
         for p in jm.parameters():
@@ -184,7 +179,7 @@ def accumulated(rank: int, case: Case, candidates: str | None, micro_batches: in
 
 def with_and_without_accumulation(rank: int, world_size: int, case: Case, micro_batches: int = 3) -> dict:
     """:func:`accumulated` without the pass and with ``case.candidates[0]``, two steps."""
-    return {c: accumulated(rank, case, c, micro_batches, steps=2) for c in (None, case.candidates[0])}
+    return {c: accumulated(rank, world_size, case, c, micro_batches, steps=2) for c in (None, case.candidates[0])}
 
 
 def _fsdp2(model: nn.Module, world_size: int, transforms: list):
