@@ -22,9 +22,10 @@ import time
 from datetime import date
 from pathlib import Path
 
+from benchlib.reporting import fill_regions
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {"README.md": ("quickstart",), "docs/testing.md": ("suite",)}
-REGION = re.compile(r"(<!-- figures:(\w+) begin -->\n)(.*?)(<!-- figures:\2 end -->)", re.S)
 SUMMARY = re.compile(r"^=* ?(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s", re.M)
 
 
@@ -108,10 +109,7 @@ def measure(rev: str, venv: str | None) -> dict[str, str]:
 
 
 def rewrite(text: str, regions: dict[str, str], names: tuple[str, ...], page: str) -> str:
-    found = [m.group(2) for m in REGION.finditer(text)]
-    if sorted(found) != sorted(names):
-        raise ValueError(f"{page}: generated regions {found}, expected {list(names)}")
-    return REGION.sub(lambda m: m.group(1) + regions.get(m.group(2), m.group(3)) + m.group(4), text)
+    return fill_regions(text, "figures", regions, names, page)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,7 +169,6 @@ def relative_budget(resident_now: int, base_peak: int, base_before: int, below: 
 # ---- building the arms ------------------------------------------------------------------------------------------------
 
 
-
 def build(bl, arm: Arm, kwargs: dict, passes: dict) -> None:
     """``arm.bench``: Thunder's ``Benchmark_litGPT`` from the flags, with the arm's pass appended while it compiles."""
     arm.shard = passes[arm.revision, arm.which](**arm.options) if arm.options is not None else None

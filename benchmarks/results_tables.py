@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import re
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchlib.reporting import fill_regions
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results"
@@ -187,21 +188,14 @@ def capacity(root: Path) -> str:
 
 PAGES = {"README.md": ("headline", "launches_short", "capacity"), "docs/results.md": ("headline", "launches"),
          f"{RESULTS}/EARLIER.md": ("older",), "docs/capacity.md": ("capacity",)}
-REGION = re.compile(r"(<!-- results:(\w+) begin[^>]*-->\n)(.*?)(<!-- results:\2 end -->)", re.S)
 
 
 def rendered(root: Path = ROOT) -> dict[str, str]:
     """Each page as the JSONs give it: its generated regions rewritten, the rest as it is."""
     tables = {"headline": headline(root), "launches": launches(root), "launches_short": launches(root, False, left_out=("broadcast",)),
               "older": older(root), "capacity": capacity(root)}
-    pages = {}
-    for page, names in PAGES.items():
-        text = (root / page).read_text()
-        found = [m.group(2) for m in REGION.finditer(text)]
-        if sorted(found) != sorted(names):
-            raise ValueError(f"{page}: generated regions {found}, expected {list(names)}")
-        pages[page] = REGION.sub(lambda m: m.group(1) + tables[m.group(2)] + m.group(4), text)
-    return pages
+    return {page: fill_regions((root / page).read_text(), "results", tables, names, page)
+            for page, names in PAGES.items()}
 
 
 def stale(root: Path = ROOT) -> list[str]:

@@ -524,6 +524,8 @@ def test_tokens_per_second_carry_the_times_ci_over_to_their_ratio():
     out = paired.tokens_per_s({"median": 25.0, "ci95": [20.0, 30.0], "base_median": 1000.0}, 1000, 2000)
     assert out["tokens_per_s"] == {"base": 1000.0, "arm": 1600.0}
     assert out["tokens_per_s_ratio"]["median"] == 1.6 and out["tokens_per_s_ratio"]["ci95"] == [2 / 1.3, 2 / 1.2]
+
+
 def test_fresh_clone_reads_pytests_summary_and_finds_its_regions():
     out = "...\n== 297 passed, 5 skipped, 2 warnings in 122.34s (0:02:02) ==\n"
     assert fresh_clone.counts(out) == {"passed": 297, "skipped": 5, "warnings": 2, "seconds": 122.34}

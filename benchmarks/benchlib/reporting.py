@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -209,3 +210,13 @@ def accuracy_reports(results: list[dict]) -> dict[str, dict]:
                                                                                else " (its peak before: no pass)"),
                              terms=plan["terms"], audit=plan["audit"], calibration=plan["calibration"])
     return out
+
+
+def fill_regions(text: str, tag: str, contents: dict[str, str], names, page: str) -> str:
+    """``text`` with each generated region ``<!-- TAG:NAME begin ... -->`` ... ``<!-- TAG:NAME end -->`` holding
+    ``contents[NAME]`` (a region it lacks stays as it is); raises unless the page's regions are exactly ``names``."""
+    region = re.compile(rf"(<!-- {tag}:(\w+) begin[^>]*-->\n)(.*?)(<!-- {tag}:\2 end -->)", re.S)
+    found = [m.group(2) for m in region.finditer(text)]
+    if sorted(found) != sorted(names):
+        raise ValueError(f"{page}: generated regions {found}, expected {list(names)}")
+    return region.sub(lambda m: m.group(1) + contents.get(m.group(2), m.group(3)) + m.group(4), text)
