@@ -217,13 +217,17 @@ def test_gradient_accumulation_with_the_reduction_skipped_is_exact_under_ddp_and
     The first program compiled (every rank together) is sharded; the synced one, compiled later, keeps Thunder's own
     collectives (nothing sharded, no collective to agree it), and says why. It raised before. Under ZeRO-3 the
     reduction's skip leaves the kinds of collective as they were: the synced program realizes the agreed layout. Two
-    steps of three micro-batches, gradients bitwise those without the pass and non-zero."""
+    steps of three micro-batches, every rank its own inputs: losses and gradients bitwise those without the pass, and
+    non-zero."""
     from thunder_fp8shard.testing.generated import Case, with_and_without_accumulation
 
     for setup in ("DDP", "ZERO3"):
         case = Case(0, setup, ("linear", "fp8", "shared", "fp8"), candidates=("auto",), d=64, batch=(2, 8))
-        for rank, run in enumerate(on_ranks(with_and_without_accumulation, 2, case)):
-            (base, _), (grads, plans) = run[None], run["auto"]
+        runs = on_ranks(with_and_without_accumulation, 2, case)
+        assert not torch.equal(runs[0][None][2][0], runs[1][None][2][0]), "the ranks must see different inputs"
+        for rank, run in enumerate(runs):
+            (base, _, base_losses), (grads, plans, losses) = run[None], run["auto"]
+            assert all(torch.equal(a, b) for a, b in zip(losses, base_losses, strict=True)), (setup, rank)
             assert grads.keys() == base.keys() and all(torch.equal(grads[n], base[n]) for n in base), (setup, rank)
             assert all(g.count_nonzero() > 0 for g in grads.values()), "a compared gradient is zero: the check is void"
             assert len(plans) == 2 and plans[0].sharded, (setup, rank, plans)

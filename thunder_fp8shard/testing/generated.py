@@ -158,23 +158,26 @@ def plans_with_accumulation(rank: int, world_size: int, case: Case, micro_batche
 def accumulated(rank: int, world_size: int, case: Case, candidates: str | None, micro_batches: int = 2,
                 steps: int = 1):
     """``steps`` steps of ``micro_batches`` micro-batches of ``case`` (every one but each step's last under
-    ``skip_data_parallel_grad_sync``), without the pass (``candidates`` None) or with it: the accumulated gradients
-    and the pass's plans."""
+    ``skip_data_parallel_grad_sync``), without the pass (``candidates`` None) or with it: the accumulated gradients,
+    the pass's plans and the losses."""
     import contextlib
 
     from thunder.distributed import skip_data_parallel_grad_sync
 
     jm, shard = compiled(world_size, case, candidates)
     gen = torch.Generator().manual_seed(1000 * rank + case.seed)
+    losses = []
     for _ in range(steps):
         for p in jm.parameters():
             p.grad = None
         for micro in range(micro_batches):
             x = torch.randn(*case.batch, case.d, generator=gen, requires_grad=True)
             with contextlib.nullcontext() if micro == micro_batches - 1 else skip_data_parallel_grad_sync():
-                F.mse_loss(jm(x), torch.zeros_like(x)).backward()
+                loss = F.mse_loss(jm(x), torch.zeros_like(x))
+                loss.backward()
+                losses.append(loss.detach())
     grads = {n: _local(p.grad).detach().clone() for n, p in jm.named_parameters()}
-    return grads, list(shard.plans)
+    return grads, list(shard.plans), losses
 
 
 def with_and_without_accumulation(rank: int, world_size: int, case: Case, micro_batches: int = 3) -> dict:
