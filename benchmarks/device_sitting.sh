@@ -103,7 +103,8 @@ case "${1:-}" in
       # s35 less main's GPU module, for a short lease: main + the patch is the code that lands if its module passes
       s35b) export GPU_TEST_WORKERS=12; launch again_tests fp8 bf16; echo 3 > "$R/logs/expected" ;;
       s35c) export GPU_TEST_WORKERS=12; launch again_tests fp8; echo 2 > "$R/logs/expected" ;;  # shorter still
-      *) echo "usage: $0 start s34|s35|s35b|s35c|s36"; exit 2 ;;
+      s35d) export GPU_TEST_WORKERS=12; launch again_tests; echo 1 > "$R/logs/expected" ;;  # the patch's module alone
+      *) echo "usage: $0 start s34|s35|s35b|s35c|s35d|s36"; exit 2 ;;
     esac
     echo started ;;
   collect)

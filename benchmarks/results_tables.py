@@ -47,7 +47,7 @@ class Row:
 
 def manifest(root: Path) -> dict:
     """``results/manifest.json``: the rows of each table, by file (``headline``, ``launches`` by setup with each
-    render's words in ``renders``, ``older`` by sitting)."""
+    render's words in ``renders``, a launch's ``arm`` where it is not ``default``, ``older`` by sitting)."""
     return json.loads((root / RESULTS / "manifest.json").read_text())
 
 
@@ -148,7 +148,7 @@ def launches(root: Path, each_launch: bool = True, left_out: tuple[str, ...] = (
             mine = [r for r in runs if r["render"] == render]
             medians, each = [], []
             for r in mine:
-                d = load(root, f"{r['prefix']}_default.json", "paired")
+                d = load(root, f"{r['prefix']}_{r.get('arm', 'default')}.json", "paired")
                 null = load(root, f"{r['prefix']}_null.json", "paired")
                 medians.append(d["overhead_pct"]["median"])
                 each.append(f"{r['sitting']} {r['name']}: {overhead(d)} ({signed(null['overhead_pct']['median'], '%')})")
