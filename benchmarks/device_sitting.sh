@@ -52,8 +52,8 @@ again_tests() {  # the GPU module on main + the patch, after main's where it run
   while [ -e "$R/busy/gpu_tests" ]; do sleep 5; done
   rm -rf "$R/again" && cp -r "$R/tree" "$R/again" && tar xf "$R/tree/.rev/again_tests.tar" -C "$R/again"
   mkdir -p "$R/gpu_again"
-  (cd "$R/again" && PYTHONPATH="$R/again:$PYTHONPATH" OUT="$R/gpu_again" python3 -m pytest -q tests/test_te_gpu.py \
-    tests/test_multicopy.py -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
+  (cd "$R/again" && PYTHONPATH="$R/again:$PYTHONPATH" OUT="$R/gpu_again" python3 -m pytest -v ${AGAIN_TESTS:-tests/test_multicopy.py \
+    tests/test_te_gpu.py} -k "not nccl" -n ${GPU_TEST_WORKERS:-1} -p no:cacheprovider -s --durations=20 \
     > "$R/logs/test_te_gpu_again.log" 2>&1)
   echo "again_tests rc=$?" >> "$R/logs/done"
   rm -f "$R/busy/$JOB"
@@ -84,7 +84,7 @@ launch() {  # job names (the functions above): each in the background, every bus
   tar cf - --exclude=./.git --exclude=./.dev-te --exclude=./.dev-whl --exclude=./.venv . | tar xf - -C "$R/tree"
   for job in "$@"; do touch "$R/busy/$job"; done
   for job in "$@"; do
-    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests again_tests capacity_search capacity_timing fp8 bf16 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' AGAIN_ARMS='$AGAIN_ARMS' EXPANDABLE=${EXPANDABLE:-off} GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
+    setsid nohup bash -c "cd '$R/tree'; export PYTHONPATH='$R/tree':\$PYTHONPATH; $(declare -f paired gpu_tests again_tests capacity_search capacity_timing fp8 bf16 "$job"); R=$R JOB=$job FLAGS='$FLAGS' FP8='$FP8' USER_ARMS='$USER_ARMS' AGAIN_ARMS='$AGAIN_ARMS' EXPANDABLE=${EXPANDABLE:-off} AGAIN_TESTS='${AGAIN_TESTS:-}' GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-1}; $job" \
       > "$R/logs/chain_$job.log" 2>&1 &
   done
 }
@@ -104,7 +104,8 @@ case "${1:-}" in
       s35b) export GPU_TEST_WORKERS=12; launch again_tests fp8 bf16; echo 3 > "$R/logs/expected" ;;
       s35c) export GPU_TEST_WORKERS=12; launch again_tests fp8; echo 2 > "$R/logs/expected" ;;  # shorter still
       s35d) export GPU_TEST_WORKERS=12; launch again_tests; echo 1 > "$R/logs/expected" ;;  # the patch's module alone
-      *) echo "usage: $0 start s34|s35|s35b|s35c|s35d|s36"; exit 2 ;;
+      s35e) export GPU_TEST_WORKERS=12 AGAIN_TESTS=tests/test_multicopy.py; launch again_tests; echo 1 > "$R/logs/expected" ;;
+      *) echo "usage: $0 start s34|s35|s35b|s35c|s35d|s35e|s36"; exit 2 ;;
     esac
     echo started ;;
   collect)
