@@ -39,12 +39,14 @@ gpu_tests() {
 # s36 (next, on an H100 as s33-s34): the search resumed from s34's records with expandable segments (`_xs`: only where
 # the default allocator's reserved bytes ran out of a cap the allocated peak fits; 4 configurations, 5 runs), then the
 # pairs not timed yet (s34's paired JSONs carried into $R/paired: rows --paired skips them), largest ranked gain first.
-# s35 (issue #62, on whichever card comes; s34 waits for an H100 like s33's): the GPU module on main (shard ops merged
+# s35 (issue #62, on whichever card comes; s36 waits for an H100 like s33's): the GPU module on main (shard ops merged
 # on their own terms) beside the FP8 default's and bf16's launches, each with a fourth arm "again": main with the calls
 # made again (ops._Again, pending/ops_again.patch, not landed), a revision arm read from .rev/again.tar; then the GPU
 # module on that code (.rev/again_tests.tar over a copy of the tree). Made here, before the call (carry .rev):
 #   git checkout -b again && patch -p1 < pending/ops_again.patch && git commit -qam again && git checkout main
 #   git archive -o .rev/again.tar again thunder_fp8shard && git archive -o .rev/again_tests.tar again thunder_fp8shard tests
+# Start s35b (the same less main's module: main + the patch is the code that lands if its module passes); s35c, s35d
+# and s35e are shorter still, for a lease of a few minutes (2026-12-08: ten refusals ate that session's 30 minutes).
 AGAIN_ARMS='{"without": null, "null": null, "default": {}, "again": {"revision": "again"}}'
 fp8() { paired fp8_l32_n8_s35 "$AGAIN_ARMS" 40 --one-model -- $FLAGS $FP8 --n_layers=32; }
 bf16() { paired bf16_l32_n8_s35 "$AGAIN_ARMS" 40 --one-model -- $FLAGS --n_layers=32; }
@@ -111,11 +113,15 @@ case "${1:-}" in
   collect)
     want=$(cat "$R/logs/expected")
     end=$((SECONDS + ${WAIT:-540}))
+    # a snapshot into $OUT every 30 s while waiting: a lease that ends mid-call still returns what was done
+    (while sleep 30; do tar czf "$OUT/partial.tgz.tmp" --exclude=./tree -C "$R" . && mv "$OUT/partial.tgz.tmp" \
+      "$OUT/partial.tgz"; done) & snap=$!
     while [ $SECONDS -lt $end ] && [ "$(grep -c rc= "$R/logs/done" 2>/dev/null || echo 0)" -lt "$want" ]; do sleep 5; done
     cat "$R/logs/done" 2>/dev/null; ls "$R/busy"
     grep -h "\[paired\]" "$R"/logs/*.log | cut -c1-200
     tail -n 2 "$R"/logs/*.log | cut -c1-300
     nvidia-smi --query-gpu=memory.used --format=csv
+    kill $snap; rm -f "$OUT/partial.tgz.tmp" "$OUT/partial.tgz"
     tar czf "$OUT/sitting.tgz" --exclude=./tree -C "$R" . && ls -la "$OUT" ;;
-  *) echo "usage: $0 start s34|s35|s36|collect"; exit 2 ;;
+  *) echo "usage: $0 start s34|s35|s35b|s35c|s35d|s35e|s36|collect"; exit 2 ;;
 esac
