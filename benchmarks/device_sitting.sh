@@ -38,7 +38,8 @@ gpu_tests() {
 # winners' paired runs one after another (capacity.py rows --commands); the lease ended after the first pair.
 # s36 (next, on an H100 as s33-s34): the search resumed from s34's records with expandable segments (`_xs`: only where
 # the default allocator's reserved bytes ran out of a cap the allocated peak fits; 4 configurations, 5 runs), then the
-# pairs not timed yet (s34's paired JSONs carried into $R/paired: rows --paired skips them), largest ranked gain first.
+# pairs not timed yet (s34's paired JSONs carried into $R/paired: rows --paired skips them, and the FP8 and bf16
+# defaults where an H100's s35 launch timed them), largest ranked gain first.
 # s35 (issue #62, on whichever card comes; s36 waits for an H100 like s33's): the GPU module on main (shard ops merged
 # on their own terms) beside the FP8 default's and bf16's launches, each with a fourth arm "again": main with the calls
 # made again (ops._Again, pending/ops_again.patch, not landed), a revision arm read from .rev/again.tar; then the GPU
@@ -100,6 +101,7 @@ case "${1:-}" in
            launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
       s36) mkdir -p "$R/capacity" && cp benchmarks/results/h100_2026-12-07/s34/capacity/*.json "$R/capacity/"
            cp benchmarks/results/h100_2026-12-07/s34/paired/*.json "$R/paired/"
+           cp benchmarks/results/h100_*/s35*/paired/*.json "$R/paired/" 2>/dev/null  # #62's launches on an H100, if any
            export EXPANDABLE=off,on; launch capacity_search capacity_timing; echo 2 > "$R/logs/expected" ;;
       s35) export GPU_TEST_WORKERS=12; launch gpu_tests again_tests fp8 bf16; echo 4 > "$R/logs/expected" ;;
       # s35 less main's GPU module, for a short lease: main + the patch is the code that lands if its module passes
