@@ -116,9 +116,9 @@ def caps_to_try(predicted_bytes: int | None, caps_gb) -> list[int]:
 def fragmented(record: dict, side: str, caps_gb) -> list[int]:
     """The caps a side ran out of memory under although its predicted peak fits them: the allocator's reserved bytes
     (its fragmentation), not the allocated, ran out (s33-s34: 2 to 9 GB over the allocated peak)."""
-    predicted = record.get("predicted_peak_bytes", {}).get(side)
+    fits = caps_to_try(record.get("predicted_peak_bytes", {}).get(side), caps_gb)
     return sorted(r["cap_gb"] for r in record.get("runs", []) if r["side"] == side and not r["fits"]
-                  and r.get("oom_of_the_cap") and r["cap_gb"] in caps_to_try(predicted, caps_gb))
+                  and r.get("oom_of_the_cap") and r["cap_gb"] in fits)
 
 
 def compile_it(config: Config, records: dict[str, dict], micro_batches, caps_gb) -> bool | None:
@@ -158,7 +158,10 @@ def caps_of_the_side(record: dict, twin: dict | None, side: str, caps_gb) -> lis
     """The caps a side runs under, smallest first: those its prediction fits, and for an ``_xs`` configuration only
     those its twin ran out of memory under (:func:`fragmented`; none where the twin's side fitted everywhere)."""
     caps = caps_to_try(record["predicted_peak_bytes"][side], caps_gb)
-    return caps if twin is None else [c for c in caps if c in fragmented(twin, side, caps_gb)]
+    if twin is None:
+        return caps
+    ran_out = fragmented(twin, side, caps_gb)
+    return [c for c in caps if c in ran_out]
 
 
 def fitted(record: dict, side: str) -> dict | None:

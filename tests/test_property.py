@@ -85,9 +85,9 @@ def _floor_plans(rank, world_size, cases):
 
 def test_all_candidates_never_predict_a_higher_peak_than_the_default(on_ranks):
     """``candidates="all"`` considers the default's candidates and more: with gradient accumulation (a program with
-    and one without the gradients' reduction, DDP's the second left unsharded), every plan's predicted peak is at most the default's,
-    it frees at least as much where the peaks are equal, and where it leaves out a tensor the default shards, its plan
-    says why."""
+    and one without the gradients' reduction, DDP's the second left unsharded), every plan's predicted peak is at most
+    the default's, it frees at least as much where the peaks are equal, and where it leaves out a tensor the default
+    shards, its plan says why."""
     for rank, runs in enumerate(on_ranks(_floor_plans, 2, FLOOR_CASES)):
         for case, run in zip(FLOOR_CASES, runs):
             assert len(run["auto"]) == len(run["all"]) >= 1, case
